@@ -1,0 +1,362 @@
+//! `Connection`: one actor per open SSE stream (one device on this pod).
+//!
+//! Owns: the bounded event queue (`sse.queue_limit`, an mpsc whose receiver is the SSE body), the
+//! replay channel while a backlog is sent, and the [`SocketGuard`] that can drop the connection.
+//! Receives (control only): [`Close`] (Router: `SlowConsumer`, `Takeover`; Shutdown: `Drain`),
+//! [`BodyDropped`] (the body, when actix drops it: the client went away).
+//! Sends: [`Register`] on start and [`Unregister`] on stop to the Router.
+//! Resume: registers first (live events start queueing), then replays the backlog after the
+//! cursor page by page, then the body switches to the live queue and skips what was replayed.
+//! Backpressure: the Router `try_send`s into the queue; full → `CloseReason::SlowConsumer`, and
+//! the socket is shut at once (see `sse::socket`). Replay pages wait on the replay channel, i.e.
+//! on the client's reading speed, while live events accumulate in the bounded queue.
+//! Drain: `Close { Drain, retry }` queues `retry:` and an end marker behind what is already queued,
+//! so the body flushes everything, then ends the response; the TCP connection is closed.
+
+use std::sync::{
+    atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering},
+    Arc,
+};
+
+use actix::prelude::*;
+use bytes::Bytes;
+use thiserror::Error;
+use tokio::sync::mpsc;
+
+use super::{
+    close_reason::{CloseReason, ResyncReason},
+    router::{Register, Unregister},
+};
+use crate::{
+    backend::{Backend, BackendError},
+    metrics::Metrics,
+    model::{Cursor, DeviceId},
+    sse::{body::SseBody, frame, socket::SocketGuard, QueueItem},
+};
+
+/// Entries read from the backend per replay request.
+const REPLAY_PAGE: usize = 500;
+/// Replayed frames buffered ahead of the client; replay waits when the client reads slowly.
+const REPLAY_BUFFER: usize = 64;
+
+#[derive(Message, Debug, Clone, Copy)]
+#[rtype(result = "()")]
+pub struct Close {
+    pub reason: CloseReason,
+    /// For a drain: the `retry:` the client should wait before reconnecting.
+    pub retry_ms: Option<u32>,
+}
+
+impl Close {
+    pub fn now(reason: CloseReason) -> Self {
+        Self {
+            reason,
+            retry_ms: None,
+        }
+    }
+
+    pub fn drain(retry_ms: u32) -> Self {
+        Self {
+            reason: CloseReason::Drain,
+            retry_ms: Some(retry_ms),
+        }
+    }
+}
+
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct BodyDropped;
+
+/// Pod-wide state shared by the HTTP edge, the Connections and the Shutdown actor.
+#[derive(Debug, Default)]
+pub struct HubState {
+    draining: AtomicBool,
+    connections: AtomicUsize,
+    next_connection_id: AtomicU64,
+}
+
+impl HubState {
+    pub fn is_draining(&self) -> bool {
+        self.draining.load(Ordering::Acquire)
+    }
+
+    pub fn start_draining(&self) -> bool {
+        !self.draining.swap(true, Ordering::AcqRel)
+    }
+
+    pub fn connections(&self) -> usize {
+        self.connections.load(Ordering::Acquire)
+    }
+
+    /// Takes a connection slot unless `limit` (0 = none) is reached.
+    pub fn try_acquire_connection(&self, limit: usize) -> bool {
+        self.connections
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |open| {
+                (limit == 0 || open < limit).then_some(open + 1)
+            })
+            .is_ok()
+    }
+
+    fn release_connection(&self) {
+        self.connections.fetch_sub(1, Ordering::AcqRel);
+    }
+
+    fn next_id(&self) -> u64 {
+        self.next_connection_id.fetch_add(1, Ordering::Relaxed)
+    }
+}
+
+/// The Router's inputs a Connection uses, injected so tests can put a probe in its place.
+#[derive(Clone)]
+pub struct RouterLink {
+    pub register: Recipient<Register>,
+    pub unregister: Recipient<Unregister>,
+}
+
+/// Everything needed to open a stream; the HTTP edge fills it after validating the request.
+pub struct OpenStream {
+    pub device: DeviceId,
+    pub shard: u32,
+    /// `Last-Event-ID` (or `?last_event_id=`) as the client sent it.
+    pub cursor: Option<String>,
+    pub queue_limit: usize,
+    pub retry_ms: u32,
+    /// The TCP socket's fd, when the server recorded it.
+    pub socket_fd: Option<std::os::fd::RawFd>,
+}
+
+#[derive(Debug, Error)]
+enum ResumeError {
+    #[error("router is gone")]
+    RouterGone,
+    #[error(transparent)]
+    Backend(#[from] BackendError),
+    #[error("client went away during replay")]
+    ClientGone,
+}
+
+pub struct Connection {
+    /// Unique per process; tells a takeover's successor apart from its predecessor.
+    id: u64,
+    device: DeviceId,
+    shard: u32,
+    /// Our own sending half, for `retry:` and the end marker on drain; `None` once closing.
+    queue: Option<mpsc::Sender<QueueItem>>,
+    /// Cursor and replay sender, taken when the actor starts.
+    resume: Option<(String, mpsc::Sender<QueueItem>)>,
+    socket: Arc<SocketGuard>,
+    router: RouterLink,
+    backend: Arc<dyn Backend>,
+    metrics: Arc<Metrics>,
+    hub: Arc<HubState>,
+    /// Why the stream ends, once decided; the first reason wins.
+    closing: Option<CloseReason>,
+}
+
+impl Connection {
+    /// Starts the actor on the current arbiter and returns the response body it feeds. The caller
+    /// has taken a connection slot with [`HubState::try_acquire_connection`]; the actor returns it.
+    pub fn open(
+        stream: OpenStream,
+        router: RouterLink,
+        backend: Arc<dyn Backend>,
+        metrics: Arc<Metrics>,
+        hub: Arc<HubState>,
+    ) -> SseBody {
+        let (queue, live) = mpsc::channel(stream.queue_limit);
+        let (resume, replay) = match stream.cursor {
+            Some(cursor) => {
+                let (tx, rx) = mpsc::channel(REPLAY_BUFFER);
+                (Some((cursor, tx)), Some(rx))
+            }
+            None => (None, None),
+        };
+        let socket = Arc::new(SocketGuard::new(stream.socket_fd));
+        let connection = Connection {
+            id: hub.next_id(),
+            device: stream.device,
+            shard: stream.shard,
+            queue: Some(queue),
+            resume,
+            socket: socket.clone(),
+            router,
+            backend,
+            metrics: metrics.clone(),
+            hub,
+            closing: None,
+        };
+        let address = connection.start();
+        SseBody::new(
+            frame::prelude(stream.retry_ms),
+            replay,
+            live,
+            socket,
+            address.recipient(),
+            metrics,
+        )
+    }
+
+    /// Ends the stream at once: nothing queued is written.
+    fn abort(&mut self, reason: CloseReason) {
+        self.closing.get_or_insert(reason);
+        self.queue = None;
+        self.socket.abort();
+    }
+}
+
+impl Actor for Connection {
+    type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Context<Self>) {
+        self.metrics.sse_connections.inc();
+        self.metrics.sse_connections_opened.inc();
+        let Some(queue) = self.queue.clone() else {
+            return;
+        };
+        let register = self.router.register.send(Register {
+            device: self.device.clone(),
+            shard: self.shard,
+            connection_id: self.id,
+            queue,
+            control: ctx.address().recipient(),
+        });
+        let resume = self.resume.take();
+        let (backend, device, shard, metrics) = (
+            self.backend.clone(),
+            self.device.clone(),
+            self.shard,
+            self.metrics.clone(),
+        );
+        let start = async move {
+            register.await.map_err(|_| ResumeError::RouterGone)?;
+            match resume {
+                Some((cursor, replay)) => {
+                    replay_after(&*backend, &device, shard, &cursor, replay, &metrics).await
+                }
+                None => Ok(()),
+            }
+        };
+        ctx.spawn(
+            start
+                .into_actor(self)
+                .map(|result, connection, ctx| match result {
+                    Ok(()) => {}
+                    Err(ResumeError::ClientGone) => {
+                        connection.closing.get_or_insert(CloseReason::Client);
+                        ctx.stop();
+                    }
+                    Err(error) => {
+                        log::warn!("stream of {} failed: {error}", connection.device);
+                        connection.abort(CloseReason::Error);
+                        ctx.stop();
+                    }
+                }),
+        );
+    }
+
+    fn stopped(&mut self, _: &mut Context<Self>) {
+        self.router.unregister.do_send(Unregister {
+            device: self.device.clone(),
+            shard: self.shard,
+            connection_id: self.id,
+        });
+        let reason = self.closing.unwrap_or(CloseReason::Client);
+        log::debug!("stream of {} closed: {reason}", self.device);
+        self.metrics.sse_connections.dec();
+        self.metrics.connection_closed(reason);
+        self.hub.release_connection();
+    }
+}
+
+impl Handler<Close> for Connection {
+    type Result = ();
+
+    fn handle(&mut self, close: Close, ctx: &mut Context<Self>) {
+        if self.closing.is_some() {
+            return;
+        }
+        if close.reason == CloseReason::Drain {
+            let queue = self.queue.take();
+            let queued = queue.is_some_and(|queue| {
+                close
+                    .retry_ms
+                    .is_none_or(|ms| queue.try_send(QueueItem::Retry(ms)).is_ok())
+                    && queue.try_send(QueueItem::End).is_ok()
+            });
+            if queued {
+                self.closing = Some(CloseReason::Drain);
+            } else {
+                self.abort(CloseReason::SlowConsumer);
+            }
+        } else {
+            self.abort(close.reason);
+        }
+        ctx.stop();
+    }
+}
+
+impl Handler<BodyDropped> for Connection {
+    type Result = ();
+
+    fn handle(&mut self, _: BodyDropped, ctx: &mut Context<Self>) {
+        self.closing.get_or_insert(CloseReason::Client);
+        ctx.stop();
+    }
+}
+
+/// The resume of DESIGN 1: sends either every retained event of `device` after `cursor_text`,
+/// or one `resync` carrying the current head, through the replay channel.
+async fn replay_after(
+    backend: &dyn Backend,
+    device: &DeviceId,
+    shard: u32,
+    cursor_text: &str,
+    replay: mpsc::Sender<QueueItem>,
+    metrics: &Metrics,
+) -> Result<(), ResumeError> {
+    let state = backend.shard_state(shard).await?;
+    let verdict = match Cursor::parse(cursor_text) {
+        Err(_) => Err(ResyncReason::Invalid),
+        Ok(cursor) if cursor.shard != shard => Err(ResyncReason::Invalid),
+        Ok(cursor) if cursor.epoch != state.epoch => Err(ResyncReason::DataLost),
+        Ok(cursor) if cursor.position > state.head => Err(ResyncReason::Invalid),
+        Ok(cursor) if cursor.position < state.trimmed_through => Err(ResyncReason::Expired),
+        Ok(cursor) => Ok(cursor.position),
+    };
+    let send = |item| async { replay.send(item).await.map_err(|_| ResumeError::ClientGone) };
+    let mut after = match verdict {
+        Ok(position) => position,
+        Err(reason) => {
+            metrics.resync(reason);
+            let head = Cursor::new(state.epoch, shard, state.head);
+            return send(QueueItem::Event {
+                position: state.head,
+                frame: resync_frame(&head, reason),
+            })
+            .await;
+        }
+    };
+    send(QueueItem::Floor(after)).await?;
+    loop {
+        let page = backend.read_after(shard, after, REPLAY_PAGE).await?;
+        for event in page.iter().filter(|event| event.target.reaches(device)) {
+            let id = Cursor::new(state.epoch.clone(), shard, event.position).to_string();
+            send(QueueItem::Event {
+                position: event.position,
+                frame: frame::event(&id, event.event_type.as_str(), &event.data),
+            })
+            .await?;
+            metrics.sse_replayed_events.inc();
+        }
+        match page.last() {
+            Some(last) if page.len() == REPLAY_PAGE => after = last.position,
+            _ => return Ok(()),
+        }
+    }
+}
+
+/// `event: resync` with the position the client continues from as its `id:`.
+pub fn resync_frame(head: &Cursor, reason: ResyncReason) -> Bytes {
+    let data = format!("{{\"reason\":\"{}\"}}", reason.label());
+    frame::event(&head.to_string(), "resync", &data)
+}

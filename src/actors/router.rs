@@ -1,0 +1,268 @@
+//! `Router`: knows the connections of this pod and hands them their events.
+//!
+//! Owns: one map per shard from device to its connection's queue sender (the same queue its SSE
+//! body drains), plus the heartbeat schedule.
+//! Receives: [`Register`] / [`Unregister`] from Connections; [`RouteBatch`] from StreamTails (its
+//! bounded mailbox is the tails' backpressure); [`Snapshot`] and [`Count`] from Shutdown and the
+//! status page.
+//! Sends: events and pings by `try_send` into connection queues (never a wait, never a mailbox);
+//! [`Close`] to a Connection whose queue overflowed (`SlowConsumer`) or that a newer connection of
+//! the same device replaced (`Takeover`).
+//! Backpressure: a full queue is a slow client, evicted at once. The Router itself never awaits.
+//! Drain: keeps routing until the last connection has closed; the Shutdown actor stops the tails.
+//! Heartbeats: one timer for the whole pod, ticking ten times per interval and pinging one tenth
+//! of the connections each tick, so pings are spread over time and no connection owns a timer.
+
+use std::{collections::HashMap, sync::Arc, time::Duration};
+
+use actix::prelude::*;
+use bytes::Bytes;
+use tokio::sync::mpsc::{self, error::TrySendError};
+
+use super::{close_reason::CloseReason, connection::Close};
+use crate::{
+    metrics::{Metrics, RouteResult},
+    model::{DeviceId, Position, Target},
+    sse::QueueItem,
+};
+
+const HEARTBEAT_SLICES: u64 = 10;
+
+/// One framed event from a tail, ready to queue.
+#[derive(Debug, Clone)]
+pub struct RoutedEvent {
+    pub shard: u32,
+    pub target: Target,
+    pub position: Position,
+    pub frame: Bytes,
+}
+
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct RouteBatch {
+    pub events: Vec<RoutedEvent>,
+    /// `resync` frames for every connection of a shard whose tail saw a gap.
+    pub resyncs: Vec<RoutedEvent>,
+}
+
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct Register {
+    pub device: DeviceId,
+    pub shard: u32,
+    pub connection_id: u64,
+    pub queue: mpsc::Sender<QueueItem>,
+    pub control: Recipient<Close>,
+}
+
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct Unregister {
+    pub device: DeviceId,
+    pub shard: u32,
+    pub connection_id: u64,
+}
+
+/// Control handles of every connection, in registration order (for a drain).
+#[derive(Message)]
+#[rtype(result = "Vec<Recipient<Close>>")]
+pub struct Snapshot;
+
+#[derive(Message)]
+#[rtype(result = "usize")]
+pub struct Count;
+
+struct Route {
+    connection_id: u64,
+    queue: mpsc::Sender<QueueItem>,
+    control: Recipient<Close>,
+}
+
+pub struct Router {
+    /// Connections per shard, so a broadcast copy visits only the devices of its shard.
+    shards: Vec<HashMap<DeviceId, Route>>,
+    connections: usize,
+    heartbeat: Duration,
+    /// Counts heartbeat slices; connection ids modulo `HEARTBEAT_SLICES` pick their slice.
+    heartbeat_tick: u64,
+    metrics: Arc<Metrics>,
+}
+
+impl Router {
+    pub fn new(shards: u32, heartbeat: Duration, metrics: Arc<Metrics>) -> Self {
+        Self {
+            shards: (0..shards).map(|_| HashMap::new()).collect(),
+            connections: 0,
+            heartbeat,
+            heartbeat_tick: 0,
+            metrics,
+        }
+    }
+
+    /// Queues `item`; a full or closed queue removes the route (and evicts on full).
+    fn offer(&mut self, shard: u32, device: &DeviceId, item: QueueItem) -> RouteResult {
+        let Some(route) = self.shards[shard as usize].get(device) else {
+            return RouteResult::NotConnected;
+        };
+        match route.queue.try_send(item) {
+            Ok(()) => RouteResult::Delivered,
+            Err(TrySendError::Full(_)) => {
+                self.evict(shard, device);
+                RouteResult::QueueFull
+            }
+            Err(TrySendError::Closed(_)) => {
+                self.remove(shard, device);
+                RouteResult::Closed
+            }
+        }
+    }
+
+    fn offer_to_shard(&mut self, event: &RoutedEvent) {
+        let shard = event.shard as usize;
+        let mut delivered = 0;
+        let mut overflowed = Vec::new();
+        let mut closed = Vec::new();
+        for (device, route) in &self.shards[shard] {
+            let item = QueueItem::Event {
+                position: event.position,
+                frame: event.frame.clone(),
+            };
+            match route.queue.try_send(item) {
+                Ok(()) => delivered += 1,
+                Err(TrySendError::Full(_)) => overflowed.push(device.clone()),
+                Err(TrySendError::Closed(_)) => closed.push(device.clone()),
+            }
+        }
+        self.metrics.routed(RouteResult::Delivered, delivered);
+        self.metrics
+            .routed(RouteResult::QueueFull, overflowed.len() as u64);
+        self.metrics
+            .routed(RouteResult::Closed, closed.len() as u64);
+        for device in overflowed {
+            self.evict(event.shard, &device);
+        }
+        for device in closed {
+            self.remove(event.shard, &device);
+        }
+    }
+
+    fn evict(&mut self, shard: u32, device: &DeviceId) {
+        if let Some(route) = self.remove(shard, device) {
+            route.control.do_send(Close::now(CloseReason::SlowConsumer));
+        }
+    }
+
+    fn remove(&mut self, shard: u32, device: &DeviceId) -> Option<Route> {
+        let route = self.shards[shard as usize].remove(device)?;
+        self.connections -= 1;
+        Some(route)
+    }
+
+    fn ping_slice(&mut self) {
+        let slice = self.heartbeat_tick % HEARTBEAT_SLICES;
+        self.heartbeat_tick += 1;
+        let mut overflowed = Vec::new();
+        for (shard, routes) in self.shards.iter().enumerate() {
+            for (device, route) in routes {
+                if route.connection_id % HEARTBEAT_SLICES != slice {
+                    continue;
+                }
+                if let Err(TrySendError::Full(_)) = route.queue.try_send(QueueItem::Ping) {
+                    overflowed.push((shard as u32, device.clone()));
+                }
+            }
+        }
+        for (shard, device) in overflowed {
+            self.evict(shard, &device);
+        }
+    }
+}
+
+impl Actor for Router {
+    type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Context<Self>) {
+        // Tails wait on this mailbox when the Router falls behind; a few batches in flight suffice.
+        ctx.set_mailbox_capacity(64);
+        ctx.run_interval(self.heartbeat / HEARTBEAT_SLICES as u32, |router, _| {
+            router.ping_slice()
+        });
+    }
+}
+
+impl Handler<RouteBatch> for Router {
+    type Result = ();
+
+    fn handle(&mut self, batch: RouteBatch, _: &mut Context<Self>) {
+        for resync in &batch.resyncs {
+            self.offer_to_shard(resync);
+        }
+        for event in batch.events {
+            match &event.target {
+                Target::Device(device) => {
+                    let item = QueueItem::Event {
+                        position: event.position,
+                        frame: event.frame,
+                    };
+                    let result = self.offer(event.shard, device, item);
+                    self.metrics.routed(result, 1);
+                }
+                Target::Broadcast => self.offer_to_shard(&event),
+            }
+        }
+    }
+}
+
+impl Handler<Register> for Router {
+    type Result = ();
+
+    fn handle(&mut self, register: Register, _: &mut Context<Self>) {
+        let route = Route {
+            connection_id: register.connection_id,
+            queue: register.queue,
+            control: register.control,
+        };
+        match self.shards[register.shard as usize].insert(register.device, route) {
+            Some(previous) => previous.control.do_send(Close::now(CloseReason::Takeover)),
+            None => self.connections += 1,
+        }
+    }
+}
+
+impl Handler<Unregister> for Router {
+    type Result = ();
+
+    fn handle(&mut self, unregister: Unregister, _: &mut Context<Self>) {
+        let routes = &self.shards[unregister.shard as usize];
+        // A connection replaced by a takeover must not remove its successor.
+        if routes
+            .get(&unregister.device)
+            .is_some_and(|route| route.connection_id == unregister.connection_id)
+        {
+            self.remove(unregister.shard, &unregister.device);
+        }
+    }
+}
+
+impl Handler<Snapshot> for Router {
+    type Result = MessageResult<Snapshot>;
+
+    fn handle(&mut self, _: Snapshot, _: &mut Context<Self>) -> Self::Result {
+        let mut routes: Vec<&Route> = self.shards.iter().flat_map(HashMap::values).collect();
+        routes.sort_by_key(|route| route.connection_id);
+        MessageResult(
+            routes
+                .into_iter()
+                .map(|route| route.control.clone())
+                .collect(),
+        )
+    }
+}
+
+impl Handler<Count> for Router {
+    type Result = usize;
+
+    fn handle(&mut self, _: Count, _: &mut Context<Self>) -> usize {
+        self.connections
+    }
+}

@@ -1,0 +1,375 @@
+//! `StreamTail`: one actor per backend node group, reading new entries and feeding the Router.
+//!
+//! Owns: the backend [`Tail`] of its group (for Redis: a dedicated connection running one blocking
+//! multi-key XREAD), the per-shard last positions inside it, and its [`TailStatus`].
+//! Receives: [`StopTail`] (Shutdown, after the last connection closed).
+//! Sends: [`RouteBatch`] to the Router: framed events (each framed once, shared by every
+//! connection that gets it) and `resync` frames for shards with a gap.
+//! Backpressure: waits on the Router's bounded mailbox (`send().await`); the Router never waits on
+//! anything, so there is no cycle.
+//! Failures: a tail opens at "now" once, then keeps its positions across backend errors and
+//! retries with jittered exponential backoff (reset after a good read), so an outage leaves no gap.
+//! Stop: the loop selects on the stop signal, so a read blocked in the backend is abandoned at once.
+//! Trimming: also applies retention to its group periodically (at least every 30 s), so streams
+//! written by external producers stay bounded.
+
+use std::{
+    sync::{Arc, Mutex},
+    time::{Duration, SystemTime, UNIX_EPOCH},
+};
+
+use actix::prelude::*;
+use serde::Serialize;
+use tokio::sync::watch;
+
+use super::{
+    connection::resync_frame,
+    router::{RouteBatch, RoutedEvent},
+};
+use crate::{
+    actors::close_reason::ResyncReason,
+    backend::{Backend, GapReason, Tail, TailBatch},
+    metrics::Metrics,
+    model::Cursor,
+    sse::frame,
+};
+
+const TRIM_EVERY_MAX: Duration = Duration::from_secs(30);
+
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct StopTail;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TailState {
+    Starting,
+    Running,
+    Retrying,
+    Stopped,
+}
+
+/// What `/admin/status` shows of a tail.
+#[derive(Debug, Clone, Serialize)]
+pub struct TailStatus {
+    pub group: usize,
+    pub state: TailState,
+    /// Last position read per shard (`ms-seq`).
+    pub last_ids: Vec<(u32, String)>,
+    pub lag_seconds: f64,
+    pub batches: u64,
+    pub events: u64,
+    pub last_error: Option<String>,
+}
+
+pub type SharedTailStatus = Arc<Mutex<TailStatus>>;
+
+/// Jittered exponential backoff between retries; reset after a successful read.
+#[derive(Debug)]
+pub struct Backoff {
+    min: Duration,
+    max: Duration,
+    next: Duration,
+}
+
+impl Backoff {
+    pub fn new(min: Duration, max: Duration) -> Self {
+        Self {
+            min,
+            max,
+            next: min,
+        }
+    }
+
+    /// A delay drawn uniformly from [next/2, next], then doubles `next` up to `max`.
+    pub fn next_delay(&mut self) -> Duration {
+        use rand::Rng;
+        let ceiling = self.next;
+        self.next = (self.next * 2).min(self.max);
+        let low = ceiling / 2;
+        low + (ceiling - low).mul_f64(rand::rng().random::<f64>())
+    }
+
+    pub fn reset(&mut self) {
+        self.next = self.min;
+    }
+}
+
+pub struct StreamTail {
+    group: usize,
+    backend: Arc<dyn Backend>,
+    router: Recipient<RouteBatch>,
+    metrics: Arc<Metrics>,
+    status: SharedTailStatus,
+    trim_every: Duration,
+    /// Flipped to `true` by [`StopTail`]; the read loop selects on it.
+    stop: watch::Sender<bool>,
+}
+
+impl StreamTail {
+    pub fn new(
+        group: usize,
+        backend: Arc<dyn Backend>,
+        router: Recipient<RouteBatch>,
+        metrics: Arc<Metrics>,
+        retention: Duration,
+    ) -> Self {
+        let status = Arc::new(Mutex::new(TailStatus {
+            group,
+            state: TailState::Starting,
+            last_ids: Vec::new(),
+            lag_seconds: 0.0,
+            batches: 0,
+            events: 0,
+            last_error: None,
+        }));
+        Self {
+            group,
+            backend,
+            router,
+            metrics,
+            status,
+            trim_every: (retention / 2).clamp(Duration::from_secs(1), TRIM_EVERY_MAX),
+            stop: watch::channel(false).0,
+        }
+    }
+
+    pub fn status(&self) -> SharedTailStatus {
+        self.status.clone()
+    }
+}
+
+impl Actor for StreamTail {
+    type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Context<Self>) {
+        let reader = TailLoop {
+            group: self.group,
+            backend: self.backend.clone(),
+            router: self.router.clone(),
+            metrics: self.metrics.clone(),
+            status: self.status.clone(),
+        };
+        // Trimming runs beside the read loop, never inside its select: abandoning a blocked XREAD
+        // to trim would lose the entries that read was about to return.
+        let trimmer = trim_periodically(
+            self.group,
+            self.backend.clone(),
+            self.trim_every,
+            self.stop.subscribe(),
+        );
+        ctx.spawn(trimmer.into_actor(self));
+        ctx.spawn(
+            reader
+                .run(self.stop.subscribe())
+                .into_actor(self)
+                .map(|(), _, ctx| ctx.stop()),
+        );
+    }
+}
+
+impl Handler<StopTail> for StreamTail {
+    type Result = ();
+
+    fn handle(&mut self, _: StopTail, _: &mut Context<Self>) {
+        self.stop.send_replace(true);
+    }
+}
+
+struct TailLoop {
+    group: usize,
+    backend: Arc<dyn Backend>,
+    router: Recipient<RouteBatch>,
+    metrics: Arc<Metrics>,
+    status: SharedTailStatus,
+}
+
+impl TailLoop {
+    fn update(&self, change: impl FnOnce(&mut TailStatus)) {
+        change(
+            &mut self
+                .status
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner()),
+        );
+    }
+
+    async fn run(self, mut stop: watch::Receiver<bool>) {
+        let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(10));
+        let mut tail = loop {
+            let opened = tokio::select! {
+                _ = stop.wait_for(|stopped| *stopped) => return self.update(|s| s.state = TailState::Stopped),
+                opened = self.backend.open_tail(self.group) => opened,
+            };
+            match opened {
+                Ok(tail) => break tail,
+                Err(error) => {
+                    log::warn!("tail of group {} cannot start: {error}", self.group);
+                    self.update(|s| {
+                        s.state = TailState::Retrying;
+                        s.last_error = Some(error.to_string());
+                    });
+                    if sleep_or_stop(backoff.next_delay(), &mut stop).await {
+                        return self.update(|s| s.state = TailState::Stopped);
+                    }
+                }
+            }
+        };
+        backoff.reset();
+        self.update(|s| s.state = TailState::Running);
+        loop {
+            let batch = tokio::select! {
+                biased;
+                _ = stop.wait_for(|stopped| *stopped) => break,
+                batch = tail.next_batch() => batch,
+            };
+            match batch {
+                Ok(batch) => {
+                    if backoff_was_used(&backoff) {
+                        self.metrics.tail_reconnected(self.group);
+                        log::info!("tail of group {} reconnected", self.group);
+                    }
+                    backoff.reset();
+                    if !self.deliver(batch, &*tail).await {
+                        break;
+                    }
+                }
+                Err(error) => {
+                    log::warn!("tail of group {} failed: {error}", self.group);
+                    self.update(|s| {
+                        s.state = TailState::Retrying;
+                        s.last_error = Some(error.to_string());
+                    });
+                    if sleep_or_stop(backoff.next_delay(), &mut stop).await {
+                        break;
+                    }
+                }
+            }
+        }
+        self.update(|s| s.state = TailState::Stopped);
+    }
+
+    /// Frames a batch and hands it to the Router; false when the Router is gone.
+    async fn deliver(&self, batch: TailBatch, tail: &dyn Tail) -> bool {
+        let TailBatch {
+            epoch,
+            events,
+            gaps,
+        } = batch;
+        let newest_ms = events.iter().map(|event| event.position.ms).max();
+        let count = events.len() as u64;
+        let events = match &epoch {
+            Some(epoch) => events
+                .into_iter()
+                .map(|event| {
+                    let id = Cursor::new(epoch.clone(), event.shard, event.position).to_string();
+                    RoutedEvent {
+                        frame: frame::event(&id, event.event_type.as_str(), &event.data),
+                        shard: event.shard,
+                        target: event.target,
+                        position: event.position,
+                    }
+                })
+                .collect(),
+            None => Vec::new(),
+        };
+        let resyncs = gaps
+            .into_iter()
+            .map(|gap| {
+                let reason = match gap.reason {
+                    GapReason::Expired => ResyncReason::Expired,
+                    GapReason::DataLost => ResyncReason::DataLost,
+                };
+                log::warn!(
+                    "tail of group {} lost entries of shard {} ({}): its connections get resync",
+                    self.group,
+                    gap.cursor.shard,
+                    reason.label()
+                );
+                RoutedEvent {
+                    shard: gap.cursor.shard,
+                    target: crate::model::Target::Broadcast,
+                    position: gap.cursor.position,
+                    frame: resync_frame(&gap.cursor, reason),
+                }
+            })
+            .collect();
+        let lag = newest_ms.map(|ms| (now_ms().saturating_sub(ms)) as f64 / 1000.0);
+        if let Some(lag) = lag {
+            self.metrics.tail_lag(self.group, lag);
+        }
+        let last_ids = tail
+            .last_positions()
+            .into_iter()
+            .map(|(shard, position)| (shard, position.to_string()))
+            .collect();
+        self.update(|s| {
+            s.state = TailState::Running;
+            s.batches += 1;
+            s.events += count;
+            s.last_ids = last_ids;
+            s.lag_seconds = lag.unwrap_or(s.lag_seconds);
+        });
+        self.router
+            .send(RouteBatch { events, resyncs })
+            .await
+            .is_ok()
+    }
+}
+
+async fn trim_periodically(
+    group: usize,
+    backend: Arc<dyn Backend>,
+    every: Duration,
+    mut stop: watch::Receiver<bool>,
+) {
+    loop {
+        if sleep_or_stop(every, &mut stop).await {
+            return;
+        }
+        if let Err(error) = backend.trim(group).await {
+            log::warn!("trimming group {group} failed: {error}");
+        }
+    }
+}
+
+fn backoff_was_used(backoff: &Backoff) -> bool {
+    backoff.next != backoff.min
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+/// Sleeps unless stopped first; true when stopped.
+async fn sleep_or_stop(delay: Duration, stop: &mut watch::Receiver<bool>) -> bool {
+    tokio::select! {
+        _ = stop.wait_for(|stopped| *stopped) => true,
+        _ = tokio::time::sleep(delay) => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Backoff delays stay within [next/2, next], double up to the cap, and reset.
+    #[test]
+    fn backoff_grows_with_jitter_and_resets() {
+        let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_millis(800));
+        let delays: Vec<Duration> = (0..6).map(|_| backoff.next_delay()).collect();
+        let ceilings = [100, 200, 400, 800, 800, 800];
+        for (delay, ceiling) in delays.iter().zip(ceilings) {
+            let ceiling = Duration::from_millis(ceiling);
+            assert!(
+                *delay >= ceiling / 2 && *delay <= ceiling,
+                "{delay:?} vs {ceiling:?}"
+            );
+        }
+        backoff.reset();
+        assert!(backoff.next_delay() <= Duration::from_millis(100));
+    }
+}

@@ -1,0 +1,81 @@
+//! The `posthorn` command line (SPEC 6): one file per subcommand.
+
+pub mod publish;
+pub mod serve;
+pub mod shard_key;
+
+use std::path::PathBuf;
+
+use clap::{Parser, Subcommand};
+use thiserror::Error;
+
+use crate::{
+    config::{env::ProcessEnv, Config, ConfigError},
+    hub::ServeError,
+};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "posthorn",
+    version,
+    about = "Realtime event hub for fleets of POS terminals"
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run the hub (memory backend on 127.0.0.1:8080 by default).
+    Serve(serve::ServeArgs),
+    /// Publish one event through a hub's HTTP API.
+    Publish(publish::PublishArgs),
+    /// Print the shard and stream key of a device under the active configuration.
+    ShardKey(shard_key::ShardKeyArgs),
+}
+
+#[derive(Debug, Error)]
+pub enum CliError {
+    #[error("configuration error: {0}")]
+    Config(#[from] ConfigError),
+    #[error(transparent)]
+    Serve(#[from] ServeError),
+    #[error("{0}")]
+    Usage(String),
+    #[error("{0}")]
+    Failed(String),
+}
+
+impl CliError {
+    /// 64 (EX_USAGE) for anything the operator must fix in configuration or arguments.
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            CliError::Config(error) => error.exit_code(),
+            CliError::Serve(ServeError::Unservable(_)) | CliError::Usage(_) => 64,
+            CliError::Serve(_) | CliError::Failed(_) => 1,
+        }
+    }
+}
+
+/// `--config PATH`, shared by every subcommand that reads the configuration.
+#[derive(Debug, clap::Args)]
+pub struct ConfigArg {
+    /// Configuration file (default: built-in defaults; see config/posthorn.toml).
+    #[arg(long, value_name = "PATH")]
+    pub config: Option<PathBuf>,
+}
+
+impl ConfigArg {
+    pub fn load(&self) -> Result<Config, ConfigError> {
+        Config::load(self.config.as_deref(), &ProcessEnv)
+    }
+}
+
+pub fn run(cli: Cli) -> Result<(), CliError> {
+    match cli.command {
+        Command::Serve(args) => serve::run(args),
+        Command::Publish(args) => publish::run(args),
+        Command::ShardKey(args) => shard_key::run(args),
+    }
+}

@@ -1,0 +1,64 @@
+//! `posthorn shard-key DEVICE`: where a device's events live under the active configuration.
+
+use super::{CliError, ConfigArg};
+use crate::{
+    config::Config,
+    model::{shard_of, DeviceId},
+};
+
+#[derive(Debug, clap::Args)]
+pub struct ShardKeyArgs {
+    #[command(flatten)]
+    pub config: ConfigArg,
+    /// Device id.
+    pub device: String,
+}
+
+/// The Redis stream key of a shard (SPEC 3): `{prefix}:{shard}`, or `{prefix}:{g<group>}:{shard}`
+/// in cluster mode, with contiguous even group ranges.
+pub fn stream_key(config: &Config, shard: u32) -> String {
+    let redis = &config.redis;
+    if redis.cluster {
+        let group = u64::from(shard) * u64::from(redis.groups) / u64::from(redis.shards);
+        format!("{}:{{g{group}}}:{shard}", redis.prefix)
+    } else {
+        format!("{}:{shard}", redis.prefix)
+    }
+}
+
+pub fn run(args: ShardKeyArgs) -> Result<(), CliError> {
+    let config = args.config.load()?;
+    let device = DeviceId::parse(&args.device).map_err(|error| {
+        CliError::Usage(format!("invalid device id {:?}: {error}", args.device))
+    })?;
+    let shard = shard_of(device.as_str(), config.redis.shards);
+    let mut line = format!("shard={shard} key={}", stream_key(&config, shard));
+    if !config.redis.urls.is_empty() {
+        let instance =
+            u64::from(shard) * config.redis.urls.len() as u64 / u64::from(config.redis.shards);
+        line.push_str(&format!(
+            " instance={}",
+            config.redis.urls[instance as usize]
+        ));
+    }
+    println!("{line}");
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Standalone and cluster keys follow SPEC 3, with contiguous group ranges.
+    #[test]
+    fn keys_follow_the_spec() {
+        let mut config = Config::default();
+        assert_eq!(stream_key(&config, 17), "pos-ev:17");
+        config.redis.cluster = true;
+        config.redis.groups = 4;
+        assert_eq!(stream_key(&config, 0), "pos-ev:{g0}:0");
+        assert_eq!(stream_key(&config, 15), "pos-ev:{g0}:15");
+        assert_eq!(stream_key(&config, 16), "pos-ev:{g1}:16");
+        assert_eq!(stream_key(&config, 63), "pos-ev:{g3}:63");
+    }
+}

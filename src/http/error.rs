@@ -1,0 +1,112 @@
+//! The one place where typed errors become HTTP: `{"error": "<code>", "message": "<text>"}`,
+//! plus `index` and `field` when a publish item is at fault.
+
+use actix_web::{http::StatusCode, HttpResponse, ResponseError};
+use serde_json::json;
+use thiserror::Error;
+
+use crate::model::IdentError;
+
+#[derive(Debug, Error)]
+pub enum ApiError {
+    #[error("invalid device id {device:?}: {source}")]
+    InvalidDevice { device: String, source: IdentError },
+    /// A publish item (or the request) has an invalid field.
+    #[error("{}{field}: {message}", item_prefix(*.index))]
+    InvalidField {
+        index: Option<usize>,
+        field: &'static str,
+        message: String,
+    },
+    #[error("{0}")]
+    InvalidRequest(String),
+    #[error("malformed JSON: {0}")]
+    MalformedJson(String),
+    #[error("{0}")]
+    PayloadTooLarge(String),
+    #[error("{}{field}: {message}", item_prefix(*.index))]
+    FieldTooLarge {
+        index: Option<usize>,
+        field: &'static str,
+        message: String,
+    },
+    #[error("this pod is draining; reconnect to another pod")]
+    Draining,
+    #[error("connection limit of {0} reached on this pod")]
+    TooManyConnections(usize),
+    #[error("{0}")]
+    BackendUnavailable(String),
+    #[error("{0}")]
+    Forbidden(String),
+    #[error("no such endpoint")]
+    NotFound,
+    #[error("method not allowed")]
+    MethodNotAllowed,
+}
+
+fn item_prefix(index: Option<usize>) -> String {
+    index.map(|i| format!("item {i}: ")).unwrap_or_default()
+}
+
+impl ApiError {
+    pub fn code(&self) -> &'static str {
+        match self {
+            ApiError::InvalidDevice { .. } => "invalid_device",
+            ApiError::InvalidField { .. } | ApiError::InvalidRequest(_) => "invalid_request",
+            ApiError::MalformedJson(_) => "malformed_json",
+            ApiError::PayloadTooLarge(_) | ApiError::FieldTooLarge { .. } => "payload_too_large",
+            ApiError::Draining => "draining",
+            ApiError::TooManyConnections(_) => "too_many_connections",
+            ApiError::BackendUnavailable(_) => "backend_unavailable",
+            ApiError::Forbidden(_) => "forbidden",
+            ApiError::NotFound => "not_found",
+            ApiError::MethodNotAllowed => "method_not_allowed",
+        }
+    }
+
+    /// Seconds a client should wait before retrying, for the 503s.
+    fn retry_after(&self) -> Option<u32> {
+        match self {
+            ApiError::Draining | ApiError::TooManyConnections(_) => Some(5),
+            ApiError::BackendUnavailable(_) => Some(2),
+            _ => None,
+        }
+    }
+}
+
+impl ResponseError for ApiError {
+    fn status_code(&self) -> StatusCode {
+        match self {
+            ApiError::InvalidDevice { .. }
+            | ApiError::InvalidField { .. }
+            | ApiError::InvalidRequest(_)
+            | ApiError::MalformedJson(_) => StatusCode::BAD_REQUEST,
+            ApiError::PayloadTooLarge(_) | ApiError::FieldTooLarge { .. } => {
+                StatusCode::PAYLOAD_TOO_LARGE
+            }
+            ApiError::Draining
+            | ApiError::TooManyConnections(_)
+            | ApiError::BackendUnavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::Forbidden(_) => StatusCode::FORBIDDEN,
+            ApiError::NotFound => StatusCode::NOT_FOUND,
+            ApiError::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
+        }
+    }
+
+    fn error_response(&self) -> HttpResponse {
+        let mut body = json!({ "error": self.code(), "message": self.to_string() });
+        if let ApiError::InvalidField { index, field, .. }
+        | ApiError::FieldTooLarge { index, field, .. } = self
+        {
+            body["field"] = json!(field);
+            if let Some(index) = index {
+                body["index"] = json!(index);
+            }
+        }
+        let mut response = HttpResponse::build(self.status_code());
+        if let Some(seconds) = self.retry_after() {
+            response.insert_header(("Retry-After", seconds.to_string()));
+        }
+        response.json(body)
+    }
+}

@@ -1,0 +1,137 @@
+//! The HTTP edge (SPEC 4): routes, shared state, and the server with its socket settings.
+
+pub mod cors;
+pub mod error;
+pub mod ops;
+pub mod publish;
+pub mod sse;
+
+use std::{os::fd::AsRawFd, sync::Arc, time::Duration};
+
+use actix::Addr;
+use actix_web::{dev::Server, web, App, HttpRequest, HttpServer};
+
+use crate::{
+    actors::{
+        connection::{HubState, RouterLink},
+        router::Router,
+        shutdown::{SharedDrainStatus, Shutdown},
+        stream_tail::SharedTailStatus,
+    },
+    backend::Backend,
+    config::Config,
+    metrics::Metrics,
+    sse::socket::ConnectionSocket,
+};
+
+pub use error::ApiError;
+
+/// Everything a request handler may touch. Cloned into each worker.
+#[derive(Clone)]
+pub struct AppState {
+    pub config: Arc<Config>,
+    pub backend: Arc<dyn Backend>,
+    pub metrics: Arc<Metrics>,
+    pub hub: Arc<HubState>,
+    pub router: Addr<Router>,
+    pub shutdown: Addr<Shutdown>,
+    pub tails: Vec<SharedTailStatus>,
+    pub drain: SharedDrainStatus,
+}
+
+impl AppState {
+    pub fn router_link(&self) -> RouterLink {
+        RouterLink {
+            register: self.router.clone().recipient(),
+            unregister: self.router.clone().recipient(),
+        }
+    }
+}
+
+pub fn configure(state: AppState) -> impl FnOnce(&mut web::ServiceConfig) {
+    move |cfg| {
+        let cors = cors::Cors::new(&state.config.server.cors_origins);
+        cfg.app_data(web::Data::new(state))
+            .app_data(web::Data::new(cors))
+            .app_data(web::QueryConfig::default().error_handler(|error, _| {
+                ApiError::InvalidRequest(format!("invalid query string: {error}")).into()
+            }))
+            .app_data(web::PathConfig::default().error_handler(|error, _| {
+                ApiError::InvalidRequest(format!("invalid path: {error}")).into()
+            }))
+            .service(
+                web::resource("/v1/devices/{device}/events")
+                    .route(web::get().to(sse::stream))
+                    .route(web::method(actix_web::http::Method::OPTIONS).to(cors::preflight))
+                    .default_service(web::to(method_not_allowed)),
+            )
+            .service(
+                web::resource("/v1/events")
+                    .route(web::post().to(publish::publish))
+                    .route(web::method(actix_web::http::Method::OPTIONS).to(cors::preflight))
+                    .default_service(web::to(method_not_allowed)),
+            )
+            .service(web::resource("/healthz").route(web::get().to(ops::healthz)))
+            .service(web::resource("/readyz").route(web::get().to(ops::readyz)))
+            .service(web::resource("/metrics").route(web::get().to(ops::metrics)))
+            .service(web::resource("/admin/status").route(web::get().to(ops::status)))
+            .service(web::resource("/admin/drain").route(web::post().to(ops::drain)))
+            .default_service(web::to(not_found));
+    }
+}
+
+async fn not_found(_: HttpRequest) -> ApiError {
+    ApiError::NotFound
+}
+
+async fn method_not_allowed(_: HttpRequest) -> ApiError {
+    ApiError::MethodNotAllowed
+}
+
+impl actix_web::Responder for ApiError {
+    type Body = actix_web::body::BoxBody;
+
+    fn respond_to(self, _: &HttpRequest) -> actix_web::HttpResponse {
+        actix_web::ResponseError::error_response(&self)
+    }
+}
+
+/// Builds and binds the HTTP server. Signals are ours (the Shutdown actor), not actix-web's.
+pub fn server(state: AppState) -> std::io::Result<Server> {
+    let config = state.config.clone();
+    let send_buffer = config.sse.send_buffer;
+    let server = HttpServer::new(move || {
+        App::new()
+            .wrap(cors::CorsHeaders)
+            .configure(configure(state.clone()))
+    })
+    .workers(config.effective_workers())
+    .disable_signals()
+    // SSE responses never finish on their own; the drain has closed them before the server
+    // stops, so waiting longer would only delay the exit.
+    .shutdown_timeout(2)
+    // A client's FIN must end its stream now, not at the next failed write.
+    .h1_allow_half_closed(false)
+    .backlog(4096)
+    .max_connections(50_000)
+    .on_connect(move |connection, extensions| {
+        if let Some(tcp) = connection.downcast_ref::<actix_web::rt::net::TcpStream>() {
+            let socket = socket2::SockRef::from(tcp);
+            // A stalled client must fill our bounded queue, not megabytes of kernel buffer.
+            if send_buffer > 0 {
+                let _ = socket.set_send_buffer_size(send_buffer);
+            }
+            let keepalive = socket2::TcpKeepalive::new()
+                .with_time(Duration::from_secs(60))
+                .with_interval(Duration::from_secs(10))
+                .with_retries(3);
+            let _ = socket.set_tcp_keepalive(&keepalive);
+            // Unacknowledged data for this long means the peer is gone (a pulled cable).
+            let _ = socket.set_tcp_user_timeout(Some(Duration::from_secs(90)));
+            extensions.insert(ConnectionSocket(tcp.as_raw_fd()));
+        }
+    })
+    .bind(config.server.listen)?
+    .run();
+    Ok(server)
+}

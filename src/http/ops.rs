@@ -1,0 +1,105 @@
+//! Operations endpoints (SPEC 4.3): health, readiness, metrics, status and drain.
+
+use std::time::Duration;
+
+use actix_web::{web, HttpRequest, HttpResponse};
+use serde::Deserialize;
+use serde_json::json;
+
+use super::{error::ApiError, AppState};
+use crate::{actors::shutdown::StartDrain, config::AuthMode};
+
+/// How long readiness waits for the backend before calling it unreachable.
+const READY_TIMEOUT: Duration = Duration::from_secs(2);
+
+pub async fn healthz() -> HttpResponse {
+    HttpResponse::Ok().json(json!({ "status": "ok" }))
+}
+
+pub async fn readyz(state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
+    if state.hub.is_draining() {
+        return Err(ApiError::Draining);
+    }
+    match tokio::time::timeout(READY_TIMEOUT, state.backend.ping()).await {
+        Ok(Ok(())) => Ok(HttpResponse::Ok().json(json!({ "status": "ready" }))),
+        Ok(Err(error)) => Err(ApiError::BackendUnavailable(error.to_string())),
+        Err(_) => Err(ApiError::BackendUnavailable(format!(
+            "backend did not answer within {}s",
+            READY_TIMEOUT.as_secs()
+        ))),
+    }
+}
+
+pub async fn metrics(state: web::Data<AppState>) -> HttpResponse {
+    HttpResponse::Ok()
+        .content_type("text/plain; version=0.0.4")
+        .body(state.metrics.render())
+}
+
+/// With auth `none`, admin endpoints answer loopback clients only.
+fn require_admin(request: &HttpRequest, state: &AppState) -> Result<(), ApiError> {
+    if state.config.auth.mode != AuthMode::None {
+        return Err(ApiError::Forbidden(
+            "jwt admin tokens are not supported yet".into(),
+        ));
+    }
+    match request.peer_addr() {
+        Some(peer) if peer.ip().is_loopback() => Ok(()),
+        _ => Err(ApiError::Forbidden(
+            "admin endpoints are only served to loopback clients when auth.mode is none".into(),
+        )),
+    }
+}
+
+pub async fn status(
+    request: HttpRequest,
+    state: web::Data<AppState>,
+) -> Result<HttpResponse, ApiError> {
+    require_admin(&request, &state)?;
+    let tails: Vec<_> = state
+        .tails
+        .iter()
+        .map(|tail| tail.lock().unwrap_or_else(|p| p.into_inner()).clone())
+        .collect();
+    let drain = state
+        .drain
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .clone();
+    Ok(HttpResponse::Ok().json(json!({
+        "version": env!("CARGO_PKG_VERSION"),
+        "backend": state.backend.kind(),
+        "connections": state.hub.connections(),
+        "draining": state.hub.is_draining(),
+        "drain": drain,
+        "tails": tails,
+        "config": state.config.summary(),
+    })))
+}
+
+#[derive(Debug, Deserialize)]
+pub struct DrainQuery {
+    exit: Option<bool>,
+}
+
+pub async fn drain(
+    request: HttpRequest,
+    query: web::Query<DrainQuery>,
+    state: web::Data<AppState>,
+) -> Result<HttpResponse, ApiError> {
+    require_admin(&request, &state)?;
+    let exit = query.exit.unwrap_or(true);
+    let started = state
+        .shutdown
+        .send(StartDrain {
+            exit,
+            trigger: "admin request",
+        })
+        .await
+        .map_err(|_| ApiError::BackendUnavailable("shutdown actor is gone".into()))?;
+    Ok(HttpResponse::Accepted().json(json!({
+        "draining": true,
+        "started": started,
+        "exit": exit,
+    })))
+}

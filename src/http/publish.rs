@@ -1,0 +1,305 @@
+//! `POST /v1/events` (SPEC 4.2): one object or an array, validated as a whole, appended in one
+//! backend call, answered in input order with each event's SSE id.
+
+use actix_web::{web, HttpRequest, HttpResponse};
+use futures_util::StreamExt;
+use serde_json::{json, Map, Value};
+
+use super::{error::ApiError, AppState};
+use crate::{
+    backend::NewEvent,
+    metrics::PublishResult,
+    model::{DeviceId, EventType, Target},
+};
+
+/// Longest idempotency key accepted.
+const MAX_KEY_LEN: usize = 256;
+const FIELDS: [&str; 5] = ["device", "broadcast", "type", "data", "key"];
+
+pub async fn publish(
+    request: HttpRequest,
+    payload: web::Payload,
+    state: web::Data<AppState>,
+) -> Result<HttpResponse, ApiError> {
+    let body = read_limited(&request, payload, state.config.limits.max_body_bytes).await?;
+    let events = match parse_batch(&body, &state.config.limits) {
+        Ok(events) => events,
+        Err(error) => {
+            state.metrics.published(PublishResult::Rejected, 1);
+            return Err(error);
+        }
+    };
+    let count = events.len() as u64;
+    let appended = match state.backend.append(events).await {
+        Ok(appended) => appended,
+        Err(error) => {
+            state.metrics.published(PublishResult::Failed, count);
+            return Err(ApiError::BackendUnavailable(error.to_string()));
+        }
+    };
+    let duplicates = appended.iter().filter(|a| a.duplicate).count() as u64;
+    state
+        .metrics
+        .published(PublishResult::Duplicate, duplicates);
+    state
+        .metrics
+        .published(PublishResult::Accepted, count - duplicates);
+    let results: Vec<Value> = appended
+        .iter()
+        .map(|a| json!({ "id": a.cursor.to_string(), "duplicate": a.duplicate }))
+        .collect();
+    Ok(HttpResponse::Created().json(json!({ "results": results })))
+}
+
+/// Reads the body, refusing it as soon as it exceeds `limit` (by `Content-Length` before reading,
+/// or while reading a chunked body), so an oversized body is never buffered whole.
+async fn read_limited(
+    request: &HttpRequest,
+    mut payload: web::Payload,
+    limit: usize,
+) -> Result<web::BytesMut, ApiError> {
+    let too_large = || {
+        ApiError::PayloadTooLarge(format!(
+            "request body exceeds limits.max_body_bytes ({limit} bytes)"
+        ))
+    };
+    let declared = request
+        .headers()
+        .get("content-length")
+        .and_then(|value| value.to_str().ok())
+        .and_then(|value| value.parse::<usize>().ok());
+    if declared.is_some_and(|length| length > limit) {
+        return Err(too_large());
+    }
+    let mut body = web::BytesMut::with_capacity(declared.unwrap_or(4096).min(limit));
+    while let Some(chunk) = payload.next().await {
+        let chunk = chunk.map_err(|error| {
+            ApiError::InvalidRequest(format!("cannot read request body: {error}"))
+        })?;
+        if body.len() + chunk.len() > limit {
+            return Err(too_large());
+        }
+        body.extend_from_slice(&chunk);
+    }
+    Ok(body)
+}
+
+/// Validates a whole batch: the first invalid item fails the request and nothing is appended.
+pub fn parse_batch(
+    body: &[u8],
+    limits: &crate::config::LimitsConfig,
+) -> Result<Vec<NewEvent>, ApiError> {
+    let value: Value =
+        serde_json::from_slice(body).map_err(|error| ApiError::MalformedJson(error.to_string()))?;
+    let (items, indexed) = match value {
+        Value::Array(items) => (items, true),
+        Value::Object(_) => (vec![value], false),
+        _ => {
+            return Err(ApiError::InvalidRequest(
+                "body must be an event object or an array of event objects".into(),
+            ))
+        }
+    };
+    if items.is_empty() {
+        return Err(ApiError::InvalidRequest("batch is empty".into()));
+    }
+    if items.len() > limits.max_batch {
+        return Err(ApiError::PayloadTooLarge(format!(
+            "batch has {} items, limits.max_batch is {}",
+            items.len(),
+            limits.max_batch
+        )));
+    }
+    items
+        .into_iter()
+        .enumerate()
+        .map(|(index, item)| parse_item(item, indexed.then_some(index), limits.max_event_bytes))
+        .collect()
+}
+
+fn parse_item(
+    item: Value,
+    index: Option<usize>,
+    max_event_bytes: usize,
+) -> Result<NewEvent, ApiError> {
+    let invalid = |field: &'static str, message: String| ApiError::InvalidField {
+        index,
+        field,
+        message,
+    };
+    let Value::Object(mut object) = item else {
+        return Err(ApiError::InvalidRequest(format!(
+            "{}must be an object",
+            index.map(|i| format!("item {i}: ")).unwrap_or_default()
+        )));
+    };
+    if let Some(unknown) = object.keys().find(|key| !FIELDS.contains(&key.as_str())) {
+        return Err(invalid(
+            "body",
+            format!("unknown field {unknown:?} (known: {})", FIELDS.join(", ")),
+        ));
+    }
+    let broadcast = match object.remove("broadcast") {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(flag)) => flag,
+        Some(other) => {
+            return Err(invalid(
+                "broadcast",
+                format!("must be true or false, got {other}"),
+            ))
+        }
+    };
+    let target = match (broadcast, take_string(&mut object, "device", index)?) {
+        (true, Some(_)) => {
+            return Err(invalid(
+                "device",
+                "must be absent when broadcast is true".into(),
+            ))
+        }
+        (true, None) => Target::Broadcast,
+        (false, None) => {
+            return Err(invalid(
+                "device",
+                "is required (or set broadcast: true)".into(),
+            ))
+        }
+        (false, Some(device)) => Target::Device(
+            DeviceId::parse(&device)
+                .map_err(|error| invalid("device", format!("{device:?} {error}")))?,
+        ),
+    };
+    let event_type = match take_string(&mut object, "type", index)? {
+        None => EventType::message(),
+        Some(text) => {
+            EventType::parse(&text).map_err(|error| invalid("type", format!("{text:?} {error}")))?
+        }
+    };
+    let data = match object.remove("data") {
+        None => return Err(invalid("data", "is required".into())),
+        Some(Value::String(text)) => text,
+        Some(other) => other.to_string(),
+    };
+    if data.is_empty() {
+        return Err(invalid(
+            "data",
+            "must not be empty (an SSE client would not dispatch it)".into(),
+        ));
+    }
+    if data.len() > max_event_bytes {
+        return Err(ApiError::FieldTooLarge {
+            index,
+            field: "data",
+            message: format!(
+                "is {} bytes, limits.max_event_bytes is {max_event_bytes}",
+                data.len()
+            ),
+        });
+    }
+    let key = take_string(&mut object, "key", index)?;
+    if let Some(key) = &key {
+        if key.is_empty() || key.len() > MAX_KEY_LEN || key.chars().any(char::is_control) {
+            return Err(invalid(
+                "key",
+                format!("must be 1 to {MAX_KEY_LEN} bytes without control characters"),
+            ));
+        }
+    }
+    Ok(NewEvent {
+        target,
+        event_type,
+        data,
+        key,
+    })
+}
+
+fn take_string(
+    object: &mut Map<String, Value>,
+    field: &'static str,
+    index: Option<usize>,
+) -> Result<Option<String>, ApiError> {
+    match object.remove(field) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(text)) => Ok(Some(text)),
+        Some(other) => Err(ApiError::InvalidField {
+            index,
+            field,
+            message: format!("must be a string, got {other}"),
+        }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Config;
+
+    fn parse(body: &str) -> Result<Vec<NewEvent>, ApiError> {
+        parse_batch(body.as_bytes(), &Config::default().limits)
+    }
+
+    /// A JSON string is sent as its text; any other JSON value as compact JSON.
+    #[test]
+    fn data_is_text_or_compact_json() {
+        let events =
+            parse(r#"[{"device":"pos-1","data":"plain"},{"device":"pos-1","data":{"a": [1, 2]}}]"#)
+                .unwrap();
+        assert_eq!(events[0].data, "plain");
+        assert_eq!(events[1].data, r#"{"a":[1,2]}"#);
+        assert_eq!(events[1].event_type.as_str(), "message");
+    }
+
+    /// Errors name the item index and the field.
+    #[test]
+    fn errors_name_item_and_field() {
+        let error =
+            parse(r#"[{"device":"ok","data":"x"},{"device":"a b","data":"x"}]"#).unwrap_err();
+        assert!(
+            matches!(
+                error,
+                ApiError::InvalidField {
+                    index: Some(1),
+                    field: "device",
+                    ..
+                }
+            ),
+            "{error:?}"
+        );
+        let error = parse(r#"{"device":"ok","type":"bad type","data":"x"}"#).unwrap_err();
+        assert!(matches!(
+            error,
+            ApiError::InvalidField {
+                index: None,
+                field: "type",
+                ..
+            }
+        ));
+        let error = parse(r#"{"broadcast":true,"device":"x","data":"x"}"#).unwrap_err();
+        assert!(matches!(
+            error,
+            ApiError::InvalidField {
+                field: "device",
+                ..
+            }
+        ));
+        let error = parse(r#"{"device":"x","data":"x","extra":1}"#).unwrap_err();
+        assert!(error.to_string().contains("extra"), "{error}");
+        assert!(matches!(parse("{"), Err(ApiError::MalformedJson(_))));
+        assert!(matches!(parse("[]"), Err(ApiError::InvalidRequest(_))));
+        assert!(matches!(parse("42"), Err(ApiError::InvalidRequest(_))));
+    }
+
+    /// Oversized payloads are 413 naming the item.
+    #[test]
+    fn oversized_data_is_named() {
+        let big = "x".repeat(65_537);
+        let error = parse(&format!(r#"[{{"device":"a","data":"{big}"}}]"#)).unwrap_err();
+        assert!(matches!(
+            error,
+            ApiError::FieldTooLarge {
+                index: Some(0),
+                field: "data",
+                ..
+            }
+        ));
+    }
+}

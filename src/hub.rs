@@ -1,0 +1,158 @@
+//! Wiring: builds the backend, starts the actors on their own arbiters, runs the HTTP server.
+//!
+//! The Router and the StreamTails run on dedicated arbiters, never on an HTTP worker: a producer
+//! sharing a worker with thousands of connections starves them of coalesced writes (DESIGN 2).
+
+use std::{io, sync::Arc};
+
+use actix::prelude::*;
+use prometheus::Registry;
+use thiserror::Error;
+
+use crate::{
+    actors::{
+        connection::HubState,
+        router::Router,
+        shutdown::{AttachServer, Shutdown},
+        stream_tail::StreamTail,
+    },
+    backend::{memory::MemorySettings, Backend, MemoryBackend},
+    config::{AuthMode, BackendKind, Config},
+    http::{self, AppState},
+    metrics::Metrics,
+};
+
+#[derive(Debug, Error)]
+pub enum ServeError {
+    /// The configuration cannot be served (exit code 64, like a configuration error).
+    #[error("{0}")]
+    Unservable(String),
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        addr: std::net::SocketAddr,
+        source: io::Error,
+    },
+    #[error("server failed: {0}")]
+    Io(#[from] io::Error),
+}
+
+/// Checks what the typed configuration cannot express on its own: secure defaults and features
+/// this build does not have yet.
+pub fn check_servable(config: &Config) -> Result<(), ServeError> {
+    if config.auth.mode == AuthMode::None && !config.listen_is_loopback() && !config.server.insecure
+    {
+        return Err(ServeError::Unservable(format!(
+            "refusing to listen on {} with auth.mode = none: anyone who can reach it could read every \
+             device's events and publish. Listen on a loopback address, enable auth.mode = jwt, or \
+             set server.insecure = true (--insecure) if a trusted network or proxy guards it",
+            config.server.listen
+        )));
+    }
+    if config.auth.mode == AuthMode::Jwt {
+        return Err(ServeError::Unservable(
+            "auth.mode = jwt is not available in this build yet; use auth.mode = none on loopback"
+                .into(),
+        ));
+    }
+    if config.backend.kind != BackendKind::Memory {
+        return Err(ServeError::Unservable(format!(
+            "backend.kind = {} is not available in this build yet; use backend.kind = memory",
+            config.backend.kind.as_str()
+        )));
+    }
+    Ok(())
+}
+
+pub fn build_backend(config: &Config) -> Arc<dyn Backend> {
+    Arc::new(MemoryBackend::new(MemorySettings {
+        shards: config.memory.shards,
+        retention: config.memory.retention,
+        max_len: config.memory.max_len,
+        tail_count: config.redis.count,
+        dedupe_window: config.publish.dedupe_window,
+    }))
+}
+
+/// Runs the hub until it has drained (SIGTERM, SIGINT, `POST /admin/drain`).
+pub fn serve(config: Config) -> Result<(), ServeError> {
+    check_servable(&config)?;
+    let config = Arc::new(config);
+    System::new().block_on(async move {
+        let backend = build_backend(&config);
+        let metrics = Arc::new(Metrics::new(Registry::new(), backend.kind()));
+        let groups = backend.groups();
+        metrics.init_groups(groups.len());
+        let hub = Arc::new(HubState::default());
+
+        let router_arbiter = Arbiter::new();
+        let (shards, heartbeat, router_metrics) =
+            (backend.shards(), config.sse.heartbeat, metrics.clone());
+        let router = Router::start_in_arbiter(&router_arbiter.handle(), move |_| {
+            Router::new(shards, heartbeat, router_metrics)
+        });
+
+        let tail_arbiter = Arbiter::new();
+        let retention = retention_of(&config);
+        let mut tail_statuses = Vec::new();
+        let mut tail_stops = Vec::new();
+        for group in 0..groups.len() {
+            let tail = StreamTail::new(
+                group,
+                backend.clone(),
+                router.clone().recipient(),
+                metrics.clone(),
+                retention,
+            );
+            tail_statuses.push(tail.status());
+            let address = StreamTail::start_in_arbiter(&tail_arbiter.handle(), move |_| tail);
+            tail_stops.push(address.recipient());
+        }
+
+        let shutdown = Shutdown::new(
+            hub.clone(),
+            router.clone().recipient(),
+            router.clone().recipient(),
+            tail_stops,
+            config.drain.clone(),
+            metrics.clone(),
+        );
+        let drain_status = shutdown.status();
+        let shutdown = shutdown.start();
+
+        let state = AppState {
+            config: config.clone(),
+            backend,
+            metrics,
+            hub,
+            router,
+            shutdown: shutdown.clone(),
+            tails: tail_statuses,
+            drain: drain_status,
+        };
+        let server = http::server(state).map_err(|source| ServeError::Bind {
+            addr: config.server.listen,
+            source,
+        })?;
+        shutdown.do_send(AttachServer(server.handle()));
+        log::info!(
+            "posthorn {} listening on http://{} (backend {}, {} workers)",
+            env!("CARGO_PKG_VERSION"),
+            config.server.listen,
+            config.backend.kind.as_str(),
+            config.effective_workers()
+        );
+        server.await?;
+        router_arbiter.stop();
+        tail_arbiter.stop();
+        log::info!("posthorn stopped");
+        Ok(())
+    })
+}
+
+fn retention_of(config: &Config) -> std::time::Duration {
+    match config.backend.kind {
+        BackendKind::Memory => config.memory.retention,
+        BackendKind::Redis => config.redis.retention,
+        BackendKind::Nats => config.nats.retention,
+    }
+}

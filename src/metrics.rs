@@ -1,0 +1,274 @@
+//! Every metric of SPEC 8, in one struct registered into a registry that is passed in (tests build
+//! their own). Label values come from enums ([`CloseReason`], [`ResyncReason`], ...), never from
+//! device ids, so cardinality is fixed. Hot-path counters are resolved to their label once.
+
+use prometheus::{
+    Encoder, Gauge, GaugeVec, IntCounter, IntCounterVec, IntGauge, Opts, Registry, TextEncoder,
+};
+
+use crate::actors::close_reason::{CloseReason, ResyncReason};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RouteResult {
+    /// Queued for a local connection.
+    Delivered,
+    /// No connection for the device on this pod (it is connected elsewhere, or not at all).
+    NotConnected,
+    /// The connection's queue was full: the client is evicted.
+    QueueFull,
+    /// The connection had just ended.
+    Closed,
+}
+
+impl RouteResult {
+    pub const ALL: [RouteResult; 4] = [
+        RouteResult::Delivered,
+        RouteResult::NotConnected,
+        RouteResult::QueueFull,
+        RouteResult::Closed,
+    ];
+
+    pub fn label(self) -> &'static str {
+        match self {
+            RouteResult::Delivered => "delivered",
+            RouteResult::NotConnected => "not_connected",
+            RouteResult::QueueFull => "queue_full",
+            RouteResult::Closed => "closed",
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PublishResult {
+    Accepted,
+    Duplicate,
+    Rejected,
+    Failed,
+}
+
+impl PublishResult {
+    pub fn label(self) -> &'static str {
+        match self {
+            PublishResult::Accepted => "accepted",
+            PublishResult::Duplicate => "duplicate",
+            PublishResult::Rejected => "rejected",
+            PublishResult::Failed => "failed",
+        }
+    }
+}
+
+pub struct Metrics {
+    registry: Registry,
+    pub sse_connections: IntGauge,
+    pub sse_connections_opened: IntCounter,
+    sse_connections_closed: IntCounterVec,
+    pub sse_slow_consumer_disconnects: IntCounter,
+    pub sse_events_sent: IntCounter,
+    pub sse_heartbeats_sent: IntCounter,
+    pub sse_replayed_events: IntCounter,
+    sse_resyncs: IntCounterVec,
+    tail_lag_seconds: GaugeVec,
+    tail_reconnects: IntCounterVec,
+    pub tail_entries_skipped: IntCounter,
+    router_events: [IntCounter; 4],
+    publish_events: IntCounterVec,
+    pub drain_in_progress: IntGauge,
+    pub drain_duration_seconds: Gauge,
+}
+
+fn counter(registry: &Registry, name: &str, help: &str) -> IntCounter {
+    let metric = IntCounter::new(name, help).expect("metric names are static and valid");
+    registry
+        .register(Box::new(metric.clone()))
+        .expect("each metric is registered once");
+    metric
+}
+
+fn counter_vec(registry: &Registry, name: &str, help: &str, label: &str) -> IntCounterVec {
+    let metric = IntCounterVec::new(Opts::new(name, help), &[label])
+        .expect("metric names are static and valid");
+    registry
+        .register(Box::new(metric.clone()))
+        .expect("each metric is registered once");
+    metric
+}
+
+fn gauge(registry: &Registry, name: &str, help: &str) -> IntGauge {
+    let metric = IntGauge::new(name, help).expect("metric names are static and valid");
+    registry
+        .register(Box::new(metric.clone()))
+        .expect("each metric is registered once");
+    metric
+}
+
+impl Metrics {
+    /// `backend_kind` prefixes the tail metrics (`redis_tail_lag_seconds`, `memory_tail_...`), so
+    /// the same dashboards read every backend.
+    pub fn new(registry: Registry, backend_kind: &str) -> Self {
+        let r = &registry;
+        let sse_connections_closed = counter_vec(
+            r,
+            "sse_connections_closed_total",
+            "SSE connections closed, by reason (client, slow_consumer, drain, takeover, error)",
+            "reason",
+        );
+        for reason in CloseReason::ALL {
+            sse_connections_closed.with_label_values(&[reason.label()]);
+        }
+        let sse_resyncs = counter_vec(
+            r,
+            "sse_resyncs_total",
+            "resync events sent instead of a replay, by reason (expired, invalid, data_lost)",
+            "reason",
+        );
+        for reason in ResyncReason::ALL {
+            sse_resyncs.with_label_values(&[reason.label()]);
+        }
+        let router_events_vec = counter_vec(
+            r,
+            "router_events_total",
+            "event deliveries handled by the router, by result",
+            "result",
+        );
+        let router_events =
+            RouteResult::ALL.map(|result| router_events_vec.with_label_values(&[result.label()]));
+        let publish_events = counter_vec(
+            r,
+            "publish_events_total",
+            "events submitted to POST /v1/events, by result (accepted, duplicate, rejected, failed)",
+            "result",
+        );
+        let tail_lag_seconds = GaugeVec::new(
+            Opts::new(
+                format!("{backend_kind}_tail_lag_seconds"),
+                "now minus the time of the last entry a stream tail read, per node group",
+            ),
+            &["group"],
+        )
+        .expect("metric names are static and valid");
+        r.register(Box::new(tail_lag_seconds.clone()))
+            .expect("each metric is registered once");
+        let tail_reconnects = counter_vec(
+            r,
+            &format!("{backend_kind}_tail_reconnects_total"),
+            "times a stream tail re-established its backend connection, per node group",
+            "group",
+        );
+        let drain_duration_seconds = Gauge::new(
+            "drain_duration_seconds",
+            "duration of the last completed drain (0 before any drain)",
+        )
+        .expect("metric names are static and valid");
+        r.register(Box::new(drain_duration_seconds.clone()))
+            .expect("each metric is registered once");
+
+        #[cfg(target_os = "linux")]
+        {
+            // Registering twice (several hubs in one test process) is harmless to skip.
+            let _ = r.register(Box::new(
+                prometheus::process_collector::ProcessCollector::for_self(),
+            ));
+        }
+
+        Self {
+            sse_connections: gauge(r, "sse_connections", "open SSE connections"),
+            sse_connections_opened: counter(
+                r,
+                "sse_connections_opened_total",
+                "SSE connections opened",
+            ),
+            sse_connections_closed,
+            sse_slow_consumer_disconnects: counter(
+                r,
+                "sse_slow_consumer_disconnects_total",
+                "connections evicted because their bounded queue overflowed",
+            ),
+            sse_events_sent: counter(
+                r,
+                "sse_events_sent_total",
+                "events written to SSE connections",
+            ),
+            sse_heartbeats_sent: counter(
+                r,
+                "sse_heartbeats_sent_total",
+                "heartbeat comments written",
+            ),
+            sse_replayed_events: counter(
+                r,
+                "sse_replayed_events_total",
+                "events replayed after a Last-Event-ID",
+            ),
+            sse_resyncs,
+            tail_lag_seconds,
+            tail_reconnects,
+            tail_entries_skipped: counter(
+                r,
+                "tail_entries_skipped_total",
+                "stream entries skipped because a field was missing or invalid",
+            ),
+            router_events,
+            publish_events,
+            drain_in_progress: gauge(r, "drain_in_progress", "1 while this pod is draining"),
+            drain_duration_seconds,
+            registry,
+        }
+    }
+
+    pub fn connection_closed(&self, reason: CloseReason) {
+        self.sse_connections_closed
+            .with_label_values(&[reason.label()])
+            .inc();
+        if reason == CloseReason::SlowConsumer {
+            self.sse_slow_consumer_disconnects.inc();
+        }
+    }
+
+    pub fn resync(&self, reason: ResyncReason) {
+        self.sse_resyncs.with_label_values(&[reason.label()]).inc();
+    }
+
+    pub fn routed(&self, result: RouteResult, count: u64) {
+        let index = RouteResult::ALL
+            .iter()
+            .position(|r| *r == result)
+            .unwrap_or(0);
+        self.router_events[index].inc_by(count);
+    }
+
+    pub fn published(&self, result: PublishResult, count: u64) {
+        self.publish_events
+            .with_label_values(&[result.label()])
+            .inc_by(count);
+    }
+
+    pub fn tail_lag(&self, group: usize, seconds: f64) {
+        self.tail_lag_seconds
+            .with_label_values(&[&group.to_string()])
+            .set(seconds);
+    }
+
+    pub fn tail_reconnected(&self, group: usize) {
+        self.tail_reconnects
+            .with_label_values(&[&group.to_string()])
+            .inc();
+    }
+
+    /// Registers the per-group series up front so dashboards see them before the first event.
+    pub fn init_groups(&self, groups: usize) {
+        for group in 0..groups {
+            self.tail_lag_seconds
+                .with_label_values(&[&group.to_string()]);
+            self.tail_reconnects
+                .with_label_values(&[&group.to_string()]);
+        }
+    }
+
+    /// Prometheus text exposition of everything registered.
+    pub fn render(&self) -> String {
+        let mut buffer = Vec::new();
+        let encoder = TextEncoder::new();
+        // Encoding into a Vec cannot fail for well-formed metric families.
+        let _ = encoder.encode(&self.registry.gather(), &mut buffer);
+        String::from_utf8(buffer).unwrap_or_default()
+    }
+}

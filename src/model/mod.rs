@@ -1,0 +1,10 @@
+//! The data model of SPEC 3: validated device ids and event types, shards, stream positions and
+//! the opaque cursor that clients send back as `Last-Event-ID`. Everything here is pure.
+
+mod cursor;
+mod ident;
+mod shard;
+
+pub use cursor::{Cursor, CursorError, Epoch, Position};
+pub use ident::{DeviceId, EventType, IdentError, Target};
+pub use shard::shard_of;

@@ -1,0 +1,32 @@
+//! Black-box test harness for the `posthorn` binary: process control
+//! ([`hub`]), a raw HTTP/1.1 client ([`http`]), an SSE client and decoder
+//! ([`sse`]) and a Prometheus text scraper ([`metrics`]).
+//!
+//! Every test binary does `mod support;` and uses a different subset, hence
+//! the blanket `dead_code` allowance.
+#![allow(dead_code)]
+
+pub mod http;
+pub mod hub;
+pub mod metrics;
+pub mod sse;
+
+use std::net::{Ipv4Addr, TcpListener};
+use std::time::Duration;
+
+// Shortcuts for the common case; like the rest, unused in some binaries.
+#[allow(unused_imports)]
+pub use hub::Hub;
+#[allow(unused_imports)]
+pub use sse::{SseClient, SseEvent, SseNext};
+
+/// Upper bound for any single network operation of the harness; a test that
+/// hangs longer than this is reported as a failure instead of stalling CI.
+pub const IO_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// A port that was free a moment ago. Another process may grab it before the
+/// hub binds it; [`hub::HubBuilder::start`] retries on "address in use".
+pub fn free_port() -> u16 {
+    let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).expect("bind 127.0.0.1:0");
+    listener.local_addr().expect("local_addr").port()
+}
