@@ -9,7 +9,9 @@ use posthorn::cli::{self, Cli};
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() {
-    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info")).init();
+    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info"))
+        .format_timestamp_millis()
+        .init();
     if let Err(error) = cli::run(Cli::parse()) {
         eprintln!("posthorn: {error}");
         std::process::exit(error.exit_code());

@@ -138,6 +138,14 @@ impl Metrics {
             "events submitted to POST /v1/events, by result (accepted, duplicate, rejected, failed)",
             "result",
         );
+        for result in [
+            PublishResult::Accepted,
+            PublishResult::Duplicate,
+            PublishResult::Rejected,
+            PublishResult::Failed,
+        ] {
+            publish_events.with_label_values(&[result.label()]);
+        }
         let tail_lag_seconds = GaugeVec::new(
             Opts::new(
                 format!("{backend_kind}_tail_lag_seconds"),

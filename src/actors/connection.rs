@@ -21,7 +21,7 @@ use std::sync::{
 use actix::prelude::*;
 use bytes::Bytes;
 use thiserror::Error;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 
 use super::{
     close_reason::{CloseReason, ResyncReason},
@@ -144,6 +144,8 @@ pub struct Connection {
     queue: Option<mpsc::Sender<QueueItem>>,
     /// Cursor and replay sender, taken when the actor starts.
     resume: Option<(String, mpsc::Sender<QueueItem>)>,
+    /// Told once the Router has registered this connection, taken when the actor starts.
+    registered: Option<oneshot::Sender<Recipient<Close>>>,
     socket: Arc<SocketGuard>,
     router: RouterLink,
     backend: Arc<dyn Backend>,
@@ -154,15 +156,17 @@ pub struct Connection {
 }
 
 impl Connection {
-    /// Starts the actor on the current arbiter and returns the response body it feeds. The caller
-    /// has taken a connection slot with [`HubState::try_acquire_connection`]; the actor returns it.
+    /// Starts the actor on the current arbiter and returns the response body it feeds, plus a
+    /// receiver that yields the actor's control handle once the Router has registered it (from
+    /// then on no live event for the device can be missed). The caller has taken a connection
+    /// slot with [`HubState::try_acquire_connection`]; the actor returns it when it stops.
     pub fn open(
         stream: OpenStream,
         router: RouterLink,
         backend: Arc<dyn Backend>,
         metrics: Arc<Metrics>,
         hub: Arc<HubState>,
-    ) -> SseBody {
+    ) -> (SseBody, oneshot::Receiver<Recipient<Close>>) {
         let (queue, live) = mpsc::channel(stream.queue_limit);
         let (resume, replay) = match stream.cursor {
             Some(cursor) => {
@@ -172,12 +176,14 @@ impl Connection {
             None => (None, None),
         };
         let socket = Arc::new(SocketGuard::new(stream.socket_fd));
+        let (registered, on_registered) = oneshot::channel();
         let connection = Connection {
             id: hub.next_id(),
             device: stream.device,
             shard: stream.shard,
             queue: Some(queue),
             resume,
+            registered: Some(registered),
             socket: socket.clone(),
             router,
             backend,
@@ -186,14 +192,15 @@ impl Connection {
             closing: None,
         };
         let address = connection.start();
-        SseBody::new(
+        let body = SseBody::new(
             frame::prelude(stream.retry_ms),
             replay,
             live,
             socket,
             address.recipient(),
             metrics,
-        )
+        );
+        (body, on_registered)
     }
 
     /// Ends the stream at once: nothing queued is written.
@@ -221,6 +228,8 @@ impl Actor for Connection {
             control: ctx.address().recipient(),
         });
         let resume = self.resume.take();
+        let registered = self.registered.take();
+        let control = ctx.address().recipient();
         let (backend, device, shard, metrics) = (
             self.backend.clone(),
             self.device.clone(),
@@ -229,6 +238,10 @@ impl Actor for Connection {
         );
         let start = async move {
             register.await.map_err(|_| ResumeError::RouterGone)?;
+            if let Some(registered) = registered {
+                // The HTTP edge may have given up waiting; then the body is dropped and we stop.
+                let _ = registered.send(control);
+            }
             match resume {
                 Some((cursor, replay)) => {
                     replay_after(&*backend, &device, shard, &cursor, replay, &metrics).await

@@ -159,12 +159,25 @@ impl Actor for StreamTail {
             self.stop.subscribe(),
         );
         ctx.spawn(trimmer.into_actor(self));
-        ctx.spawn(
-            reader
-                .run(self.stop.subscribe())
-                .into_actor(self)
-                .map(|(), _, ctx| ctx.stop()),
-        );
+        let me = ctx.address();
+        let stop = self.stop.subscribe();
+        actix::spawn(async move {
+            reader.run(stop).await;
+            me.do_send(TailEnded);
+        });
+    }
+}
+
+/// Sent by the read loop to its own actor when it has ended (stopped, or the Router is gone).
+#[derive(Message)]
+#[rtype(result = "()")]
+struct TailEnded;
+
+impl Handler<TailEnded> for StreamTail {
+    type Result = ();
+
+    fn handle(&mut self, _: TailEnded, ctx: &mut Context<Self>) {
+        ctx.stop();
     }
 }
 

@@ -63,13 +63,13 @@ pub fn configure(state: AppState) -> impl FnOnce(&mut web::ServiceConfig) {
                 web::resource("/v1/devices/{device}/events")
                     .route(web::get().to(sse::stream))
                     .route(web::method(actix_web::http::Method::OPTIONS).to(cors::preflight))
-                    .default_service(web::to(method_not_allowed)),
+                    .default_service(web::to(|| method_not_allowed("GET, OPTIONS"))),
             )
             .service(
                 web::resource("/v1/events")
                     .route(web::post().to(publish::publish))
                     .route(web::method(actix_web::http::Method::OPTIONS).to(cors::preflight))
-                    .default_service(web::to(method_not_allowed)),
+                    .default_service(web::to(|| method_not_allowed("POST, OPTIONS"))),
             )
             .service(web::resource("/healthz").route(web::get().to(ops::healthz)))
             .service(web::resource("/readyz").route(web::get().to(ops::readyz)))
@@ -84,8 +84,13 @@ async fn not_found(_: HttpRequest) -> ApiError {
     ApiError::NotFound
 }
 
-async fn method_not_allowed(_: HttpRequest) -> ApiError {
-    ApiError::MethodNotAllowed
+async fn method_not_allowed(allow: &'static str) -> actix_web::HttpResponse {
+    let mut response = actix_web::ResponseError::error_response(&ApiError::MethodNotAllowed);
+    response.headers_mut().insert(
+        actix_web::http::header::ALLOW,
+        actix_web::http::header::HeaderValue::from_static(allow),
+    );
+    response
 }
 
 impl actix_web::Responder for ApiError {

@@ -21,8 +21,10 @@ pub async fn publish(
     payload: web::Payload,
     state: web::Data<AppState>,
 ) -> Result<HttpResponse, ApiError> {
-    let body = read_limited(&request, payload, state.config.limits.max_body_bytes).await?;
-    let events = match parse_batch(&body, &state.config.limits) {
+    let events = match read_limited(&request, payload, state.config.limits.max_body_bytes)
+        .await
+        .and_then(|body| parse_batch(&body, &state.config.limits))
+    {
         Ok(events) => events,
         Err(error) => {
             state.metrics.published(PublishResult::Rejected, 1);
@@ -128,10 +130,7 @@ fn parse_item(
         message,
     };
     let Value::Object(mut object) = item else {
-        return Err(ApiError::InvalidRequest(format!(
-            "{}must be an object",
-            index.map(|i| format!("item {i}: ")).unwrap_or_default()
-        )));
+        return Err(invalid("item", format!("must be an object, got {item}")));
     };
     if let Some(unknown) = object.keys().find(|key| !FIELDS.contains(&key.as_str())) {
         return Err(invalid(

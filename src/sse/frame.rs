@@ -41,7 +41,7 @@ fn payload_lines(data: &str) -> impl Iterator<Item = &str> {
     let mut rest = Some(data);
     std::iter::from_fn(move || {
         let text = rest?;
-        match text.find(['\r', '\n']) {
+        match memchr::memchr2(b'\r', b'\n', text.as_bytes()) {
             Some(at) => {
                 let skip = if text[at..].starts_with("\r\n") { 2 } else { 1 };
                 rest = Some(&text[at + skip..]);

@@ -1,0 +1,193 @@
+//! Baseline measurements for docs/BENCHMARKS.md until `posthorn loadtest` exists (issue 7).
+//!
+//! ```text
+//! baseline idle   ADDR CONNECTIONS SERVER_PID      # RSS per idle connection
+//! baseline fanout ADDR CONNECTIONS EVENTS SIZE     # broadcast deliveries per second
+//! ```
+//! Loopback targets only; client sockets are spread over 127.0.0.2.. so that more than one
+//! source address's worth of ephemeral ports is available. Every phase is bounded in time.
+
+use std::{
+    net::{IpAddr, Ipv4Addr, SocketAddr},
+    sync::{
+        atomic::{AtomicU64, Ordering},
+        Arc,
+    },
+    time::{Duration, Instant},
+};
+
+use tokio::{
+    io::{AsyncReadExt, AsyncWriteExt},
+    net::{TcpSocket, TcpStream},
+};
+
+const CONNECTIONS_PER_SOURCE: usize = 20_000;
+const PHASE_LIMIT: Duration = Duration::from_secs(120);
+
+fn rss_kib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("server pid");
+    status
+        .lines()
+        .find_map(|line| line.strip_prefix("VmRSS:"))
+        .and_then(|rest| rest.trim().trim_end_matches("kB").trim().parse().ok())
+        .expect("VmRSS")
+}
+
+async fn open_stream(addr: SocketAddr, index: usize, device: String) -> TcpStream {
+    let source = Ipv4Addr::new(127, 0, 0, 2 + (index / CONNECTIONS_PER_SOURCE) as u8);
+    let socket = TcpSocket::new_v4().expect("socket");
+    socket
+        .bind(SocketAddr::new(IpAddr::V4(source), 0))
+        .expect("bind source");
+    let mut stream = socket.connect(addr).await.expect("connect");
+    let request = format!("GET /v1/devices/{device}/events HTTP/1.1\r\nHost: {addr}\r\nAccept: text/event-stream\r\n\r\n");
+    stream.write_all(request.as_bytes()).await.expect("request");
+    // Read the head and the prelude, so the connection is known to be open.
+    let mut buf = [0u8; 1024];
+    let mut seen = Vec::new();
+    while !seen.windows(10).any(|w| w == b"posthorn\n\n") {
+        let n = stream.read(&mut buf).await.expect("read");
+        assert!(n > 0, "closed during connect");
+        seen.extend_from_slice(&buf[..n]);
+    }
+    stream
+}
+
+async fn post(addr: SocketAddr, body: &str) {
+    let mut stream = TcpStream::connect(addr).await.expect("connect publisher");
+    let request = format!(
+        "POST /v1/events HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    stream.write_all(request.as_bytes()).await.expect("publish");
+    let mut response = Vec::new();
+    stream
+        .read_to_end(&mut response)
+        .await
+        .expect("publish answer");
+    assert!(
+        response.starts_with(b"HTTP/1.1 201"),
+        "{}",
+        String::from_utf8_lossy(&response)
+    );
+}
+
+async fn idle(addr: SocketAddr, connections: usize, pid: u32) {
+    let before = rss_kib(pid);
+    let started = Instant::now();
+    let mut streams = Vec::with_capacity(connections);
+    for chunk in (0..connections).collect::<Vec<_>>().chunks(500) {
+        let opened = futures_util::future::join_all(
+            chunk
+                .iter()
+                .map(|&i| open_stream(addr, i, format!("idle-{i}"))),
+        )
+        .await;
+        streams.extend(opened);
+    }
+    let connect_seconds = started.elapsed().as_secs_f64();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let open = rss_kib(pid);
+    drop(streams);
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let after = rss_kib(pid);
+    let per_connection = (open.saturating_sub(before)) as f64 * 1024.0 / connections as f64;
+    println!(
+        "idle: {connections} connections opened in {connect_seconds:.2}s ({:.0}/s); server RSS {before} KiB before, {open} KiB open, {after} KiB after close; {per_connection:.0} bytes per idle connection",
+        connections as f64 / connect_seconds
+    );
+    println!(
+        "{{\"scenario\":\"idle\",\"connections\":{connections},\"rss_before_kib\":{before},\"rss_open_kib\":{open},\"rss_after_kib\":{after},\"bytes_per_connection\":{per_connection:.0},\"connects_per_second\":{:.0}}}",
+        connections as f64 / connect_seconds
+    );
+}
+
+/// Counts `id: ` occurrences across reads (events carry one, pings none).
+async fn count_events(mut stream: TcpStream, counter: Arc<AtomicU64>, target: u64) {
+    let mut buf = vec![0u8; 64 * 1024];
+    let mut carry: Vec<u8> = Vec::new();
+    let mut seen = 0;
+    while seen < target {
+        let n = match stream.read(&mut buf).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => n,
+        };
+        carry.extend_from_slice(&buf[..n]);
+        let found = carry.windows(4).filter(|w| w == b"id: ").count() as u64;
+        seen += found;
+        counter.fetch_add(found, Ordering::Relaxed);
+        let keep = carry.len().min(3);
+        carry.drain(..carry.len() - keep);
+    }
+}
+
+async fn fanout(addr: SocketAddr, connections: usize, events: u64, size: usize) {
+    let mut streams = Vec::with_capacity(connections);
+    for chunk in (0..connections).collect::<Vec<_>>().chunks(500) {
+        streams.extend(
+            futures_util::future::join_all(
+                chunk
+                    .iter()
+                    .map(|&i| open_stream(addr, i, format!("fan-{i}"))),
+            )
+            .await,
+        );
+    }
+    let delivered = Arc::new(AtomicU64::new(0));
+    let readers: Vec<_> = streams
+        .into_iter()
+        .map(|stream| tokio::spawn(count_events(stream, delivered.clone(), events)))
+        .collect();
+    let payload = "x".repeat(size);
+    let started = Instant::now();
+    let per_request = 50;
+    let mut sent = 0;
+    while sent < events {
+        let batch = (events - sent).min(per_request);
+        let items: Vec<String> = (0..batch)
+            .map(|_| format!("{{\"broadcast\":true,\"data\":\"{payload}\"}}"))
+            .collect();
+        post(addr, &format!("[{}]", items.join(","))).await;
+        sent += batch;
+    }
+    let published = started.elapsed().as_secs_f64();
+    let expected = events * connections as u64;
+    while delivered.load(Ordering::Relaxed) < expected && started.elapsed() < PHASE_LIMIT {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let elapsed = started.elapsed().as_secs_f64();
+    let got = delivered.load(Ordering::Relaxed);
+    for reader in readers {
+        reader.abort();
+    }
+    println!(
+        "fanout: {events} broadcasts of {size} B to {connections} connections: {got}/{expected} delivered in {elapsed:.2}s (published in {published:.2}s): {:.0} deliveries/s",
+        got as f64 / elapsed
+    );
+    println!(
+        "{{\"scenario\":\"fanout\",\"connections\":{connections},\"events\":{events},\"size\":{size},\"delivered\":{got},\"expected\":{expected},\"seconds\":{elapsed:.3},\"deliveries_per_second\":{:.0}}}",
+        got as f64 / elapsed
+    );
+}
+
+#[tokio::main]
+async fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let usage = "usage: baseline idle ADDR CONNECTIONS SERVER_PID | baseline fanout ADDR CONNECTIONS EVENTS SIZE";
+    let addr: SocketAddr = args.get(1).and_then(|a| a.parse().ok()).expect(usage);
+    assert!(
+        addr.ip().is_loopback(),
+        "baseline only targets loopback addresses"
+    );
+    let number = |i: usize| -> u64 { args.get(i).and_then(|a| a.parse().ok()).expect(usage) };
+    let work = async {
+        match args.first().map(String::as_str) {
+            Some("idle") => idle(addr, number(2) as usize, number(3) as u32).await,
+            Some("fanout") => fanout(addr, number(2) as usize, number(3), number(4) as usize).await,
+            _ => panic!("{usage}"),
+        }
+    };
+    tokio::time::timeout(PHASE_LIMIT * 2, work)
+        .await
+        .expect("baseline exceeded its time limit");
+}

@@ -1,0 +1,440 @@
+//! Black-box tests of the operations surface (SPEC 4.3, 7, 8): health, readiness, errors for
+//! unknown routes, metrics, `/admin/status`, and the graceful drain by admin request and SIGTERM.
+
+mod support;
+
+use std::time::Duration;
+
+use serde_json::Value;
+use tokio::time::Instant;
+
+use support::http::{self, HttpResponse};
+use support::{metrics, Hub, SseClient};
+
+/// Failure guard for anything the hub should do "at once".
+const WAIT: Duration = Duration::from_secs(10);
+
+fn stream_path(device: &str) -> String {
+    format!("/v1/devices/{device}/events")
+}
+
+/// Opens a stream for `device` and returns once the hub has registered it with the router.
+///
+/// The stream is opened with an invalid `Last-Event-ID`: the hub registers the connection
+/// before it answers with `event: resync` (SPEC 4.1), so once that event has arrived the
+/// connection is known to the router (and thus to a drain).
+async fn live_stream(hub: &Hub, device: &str) -> SseClient {
+    let mut client = SseClient::connect(
+        hub.addr(),
+        &stream_path(device),
+        &[("Last-Event-ID", "sync")],
+    )
+    .await;
+    assert_eq!(client.status(), 200, "stream for {device}");
+    let first = client.expect_event(WAIT).await;
+    assert_eq!(first.event, "resync", "first event on {device}: {first:?}");
+    client
+}
+
+fn assert_json_error(resp: &HttpResponse, status: u16, code: &str) -> Value {
+    assert_eq!(resp.status, status, "answer: {}", resp.text());
+    let content_type = resp.header("content-type").unwrap_or_default();
+    assert!(
+        content_type.starts_with("application/json"),
+        "content-type {content_type:?}"
+    );
+    let body = resp.json();
+    assert_eq!(body["error"], code, "{body}");
+    assert!(
+        body["message"].as_str().is_some_and(|m| !m.is_empty()),
+        "no message in {body}"
+    );
+    body
+}
+
+async fn admin_status(hub: &Hub) -> Value {
+    let resp = http::get(hub.addr(), "/admin/status").await;
+    assert_eq!(resp.status, 200, "/admin/status: {}", resp.text());
+    resp.json()
+}
+
+/// Polls `/admin/status` until `check` holds; panics with the last status after `timeout`.
+async fn wait_status(hub: &Hub, timeout: Duration, what: &str, check: impl Fn(&Value) -> bool) {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let status = admin_status(hub).await;
+        if check(&status) {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "/admin/status never showed {what} within {timeout:?}: {status}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// `/healthz` and `/readyz` are 200 on a running hub.
+#[tokio::test]
+async fn healthz_and_readyz_are_ok() {
+    let hub = Hub::builder().start().await;
+    let resp = http::get(hub.addr(), "/healthz").await;
+    assert_eq!(resp.status, 200, "{}", resp.text());
+    let resp = http::get(hub.addr(), "/readyz").await;
+    assert_eq!(resp.status, 200, "{}", resp.text());
+    assert_eq!(resp.header("retry-after"), None);
+}
+
+/// An unknown path is a 404 JSON `not_found` error.
+#[tokio::test]
+async fn unknown_path_is_json_404() {
+    let hub = Hub::builder().start().await;
+    for path in [
+        "/nope",
+        "/v1/devices",
+        "/v1/devices/pos-1/events/extra",
+        "/",
+    ] {
+        let resp = http::get(hub.addr(), path).await;
+        assert_json_error(&resp, 404, "not_found");
+    }
+}
+
+/// A wrong method on a known endpoint is a 405 JSON `method_not_allowed` error.
+#[tokio::test]
+async fn wrong_method_is_json_405() {
+    let hub = Hub::builder().start().await;
+    let resp = http::get(hub.addr(), "/v1/events").await;
+    assert_json_error(&resp, 405, "method_not_allowed");
+    let resp = http::request(hub.addr(), "DELETE", "/v1/events", &[], None).await;
+    assert_json_error(&resp, 405, "method_not_allowed");
+    let resp = http::request(hub.addr(), "POST", &stream_path("pos-1"), &[], Some(b"")).await;
+    assert_json_error(&resp, 405, "method_not_allowed");
+}
+
+/// A 405 names the allowed methods in an `Allow` header, as HTTP (RFC 9110 15.5.6) requires.
+#[tokio::test]
+async fn method_not_allowed_carries_allow_header() {
+    let hub = Hub::builder().start().await;
+    let resp = http::get(hub.addr(), "/v1/events").await;
+    assert_eq!(resp.status, 405);
+    let allow = resp
+        .header("allow")
+        .unwrap_or_default()
+        .to_ascii_uppercase();
+    assert!(allow.contains("POST"), "Allow header {allow:?}");
+}
+
+/// `/metrics` is Prometheus text with a HELP line for every SPEC 8 metric this build has, and
+/// the labelled counters start with every label value at 0.
+#[tokio::test]
+async fn metrics_have_help_and_initial_labels() {
+    let hub = Hub::builder().start().await;
+    let resp = http::get(hub.addr(), "/metrics").await;
+    assert_eq!(resp.status, 200);
+    let content_type = resp.header("content-type").unwrap_or_default();
+    assert!(
+        content_type.starts_with("text/plain") && content_type.contains("version=0.0.4"),
+        "content-type {content_type:?}"
+    );
+
+    let scrape = metrics::scrape(hub.addr()).await;
+    let expected = [
+        ("sse_connections", "gauge"),
+        ("sse_connections_opened_total", "counter"),
+        ("sse_connections_closed_total", "counter"),
+        ("sse_slow_consumer_disconnects_total", "counter"),
+        ("sse_events_sent_total", "counter"),
+        ("sse_heartbeats_sent_total", "counter"),
+        ("sse_replayed_events_total", "counter"),
+        ("sse_resyncs_total", "counter"),
+        ("memory_tail_lag_seconds", "gauge"),
+        ("memory_tail_reconnects_total", "counter"),
+        ("router_events_total", "counter"),
+        ("drain_in_progress", "gauge"),
+        ("drain_duration_seconds", "gauge"),
+        ("process_resident_memory_bytes", "gauge"),
+    ];
+    let missing: Vec<&str> = expected
+        .iter()
+        .filter(|(name, _)| scrape.help(name).is_none_or(|h| h.is_empty()))
+        .map(|(name, _)| *name)
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "no HELP line for {missing:?}:\n{}",
+        scrape.text
+    );
+    for (name, kind) in expected {
+        assert_eq!(scrape.metric_type(name), Some(kind), "TYPE of {name}");
+    }
+
+    for reason in ["client", "slow_consumer", "drain", "takeover", "error"] {
+        assert_eq!(
+            scrape.value("sse_connections_closed_total", &[("reason", reason)]),
+            Some(0.0),
+            "sse_connections_closed_total{{reason={reason:?}}} on a fresh hub"
+        );
+    }
+    for reason in ["expired", "invalid", "data_lost"] {
+        assert_eq!(
+            scrape.value("sse_resyncs_total", &[("reason", reason)]),
+            Some(0.0),
+            "sse_resyncs_total{{reason={reason:?}}} on a fresh hub"
+        );
+    }
+    assert_eq!(scrape.value("sse_connections", &[]), Some(0.0));
+    assert_eq!(scrape.value("drain_in_progress", &[]), Some(0.0));
+    assert_eq!(scrape.value("drain_duration_seconds", &[]), Some(0.0));
+    assert_eq!(
+        scrape.value("memory_tail_reconnects_total", &[("group", "0")]),
+        Some(0.0)
+    );
+    assert!(
+        scrape.value_or_zero("process_resident_memory_bytes", &[]) > 0.0,
+        "RSS of a running process"
+    );
+}
+
+/// `publish_events_total` is exposed, with its HELP line and every result at 0, before the
+/// first publish, like the other labelled counters (a dashboard or alert on it must not see
+/// an absent series on a fresh pod); after a publish it counts it.
+#[tokio::test]
+async fn publish_events_total_is_exposed_on_a_fresh_hub() {
+    let hub = Hub::builder().start().await;
+    let scrape = metrics::scrape(hub.addr()).await;
+    assert!(
+        scrape
+            .help("publish_events_total")
+            .is_some_and(|h| !h.is_empty()),
+        "no HELP line for publish_events_total on a fresh hub:\n{}",
+        scrape.text
+    );
+    assert_eq!(scrape.metric_type("publish_events_total"), Some("counter"));
+    for result in ["accepted", "duplicate", "rejected", "failed"] {
+        assert_eq!(
+            scrape.value("publish_events_total", &[("result", result)]),
+            Some(0.0),
+            "publish_events_total{{result={result:?}}} on a fresh hub"
+        );
+    }
+}
+
+/// After one publish `publish_events_total` has its HELP line and counts the event.
+#[tokio::test]
+async fn publish_events_total_has_help_after_a_publish() {
+    let hub = Hub::builder().start().await;
+    let resp = http::post_json(
+        hub.addr(),
+        "/v1/events",
+        &serde_json::json!({"device": "pos-1", "data": "x"}),
+    )
+    .await;
+    assert_eq!(resp.status, 201, "{}", resp.text());
+    let scrape = metrics::scrape(hub.addr()).await;
+    assert!(
+        scrape
+            .help("publish_events_total")
+            .is_some_and(|h| !h.is_empty()),
+        "{}",
+        scrape.text
+    );
+    assert_eq!(scrape.metric_type("publish_events_total"), Some("counter"));
+    assert_eq!(
+        scrape.value("publish_events_total", &[("result", "accepted")]),
+        Some(1.0)
+    );
+}
+
+/// `/admin/status` reports the memory backend, the number of open streams, a running tail for
+/// group 0, an idle drain, and a config summary without secret values.
+#[tokio::test]
+async fn admin_status_reports_state_without_secrets() {
+    const SECRET: &str = "s3cr3t-jwt-value-do-not-show";
+    const PASSWORD: &str = "hunter2-redis-password";
+    let hub = Hub::builder()
+        .env("POSTHORN_AUTH__JWT_SECRET", SECRET)
+        .env(
+            "POSTHORN_REDIS__URL",
+            format!("redis://admin:{PASSWORD}@127.0.0.1:6379"),
+        )
+        .start()
+        .await;
+
+    let status = admin_status(&hub).await;
+    assert_eq!(status["backend"], "memory", "{status}");
+    assert_eq!(status["connections"], 0, "{status}");
+
+    let _a = live_stream(&hub, "pos-1").await;
+    let _b = live_stream(&hub, "pos-2").await;
+    wait_status(&hub, WAIT, "a running tail for group 0", |s| {
+        s["tails"].as_array().is_some_and(|tails| {
+            tails
+                .iter()
+                .any(|t| t["group"] == 0 && t["state"] == "running")
+        })
+    })
+    .await;
+
+    let resp = http::get(hub.addr(), "/admin/status").await;
+    assert_eq!(resp.status, 200);
+    let status = resp.json();
+    assert_eq!(status["connections"], 2, "{status}");
+    let tails = status["tails"].as_array().expect("tails array");
+    assert_eq!(tails.len(), 1, "one tail for the memory backend: {status}");
+    assert_eq!(tails[0]["group"], 0);
+    assert_eq!(tails[0]["state"], "running");
+    assert_eq!(status["drain"]["phase"], "idle", "{status}");
+
+    let config = &status["config"];
+    assert!(config.is_object(), "config summary in {status}");
+    assert_eq!(config["server"]["listen"], hub.addr().to_string());
+    assert_eq!(config["backend"]["kind"], "memory");
+    assert_eq!(config["auth"]["jwt_secret"], "(set)");
+
+    let text = resp.text();
+    assert!(!text.contains(SECRET), "JWT secret leaked: {text}");
+    assert!(!text.contains(PASSWORD), "Redis password leaked: {text}");
+}
+
+/// `POST /admin/drain?exit=false` drains without exiting: readiness and new streams answer 503
+/// with `Retry-After`, an open stream ends cleanly with a `retry:` from
+/// `[drain.retry_min, drain.retry_max]`, the process keeps serving, and status and metrics show
+/// the finished drain.
+#[tokio::test]
+async fn admin_drain_without_exit() {
+    let hub = Hub::builder()
+        .env("POSTHORN_DRAIN__RETRY_MIN", "2s")
+        .env("POSTHORN_DRAIN__RETRY_MAX", "4s")
+        .env("POSTHORN_SSE__RETRY_MS", "1500")
+        .env("POSTHORN_DRAIN__GRACE", "10s")
+        .start()
+        .await;
+    let mut client = live_stream(&hub, "pos-drain").await;
+    assert_eq!(
+        client.retry,
+        Some(1500),
+        "the stream's first retry is sse.retry_ms"
+    );
+
+    let resp = http::request(hub.addr(), "POST", "/admin/drain?exit=false", &[], None).await;
+    assert_eq!(resp.status, 202, "{}", resp.text());
+    let body = resp.json();
+    assert_eq!(body["exit"], false, "{body}");
+
+    let resp = http::get(hub.addr(), "/readyz").await;
+    assert_json_error(&resp, 503, "draining");
+    assert!(
+        resp.header("retry-after")
+            .is_some_and(|v| v.parse::<u32>().is_ok()),
+        "readyz Retry-After {:?}",
+        resp.header("retry-after")
+    );
+
+    let mut refused = SseClient::connect(hub.addr(), &stream_path("pos-new"), &[]).await;
+    assert_eq!(refused.status(), 503);
+    assert!(
+        refused
+            .header("retry-after")
+            .is_some_and(|v| v.parse::<u32>().is_ok()),
+        "stream Retry-After {:?}",
+        refused.header("retry-after")
+    );
+    refused.read_to_close(WAIT).await;
+    let body: Value = serde_json::from_str(&refused.raw_text()).expect("503 body is JSON");
+    assert_eq!(body["error"], "draining", "{body}");
+
+    let events = client.read_to_close(Duration::from_secs(20)).await;
+    assert!(events.is_empty(), "no events were published: {events:?}");
+    assert!(
+        client.body_complete(),
+        "the drained stream must end with its terminating chunk, not a reset: {:?}",
+        client.raw_text()
+    );
+    let retry = client.retry.expect("a retry value");
+    assert!(
+        (2000..=4000).contains(&retry),
+        "drain retry {retry} outside [2000, 4000]; stream: {:?}",
+        client.raw_text()
+    );
+
+    wait_status(&hub, Duration::from_secs(20), "drain phase drained", |s| {
+        s["drain"]["phase"] == "drained"
+    })
+    .await;
+    let status = admin_status(&hub).await;
+    assert_eq!(status["connections"], 0, "{status}");
+    assert_eq!(status["draining"], true, "{status}");
+
+    let mut hub = hub;
+    assert!(hub.is_running(), "exit=false must keep the process running");
+    let resp = http::get(hub.addr(), "/healthz").await;
+    assert_eq!(resp.status, 200);
+    let resp = http::get(hub.addr(), "/readyz").await;
+    assert_json_error(&resp, 503, "draining");
+
+    let scrape = metrics::scrape(hub.addr()).await;
+    assert_eq!(scrape.value("drain_in_progress", &[]), Some(0.0));
+    assert_eq!(
+        scrape.value("sse_connections_closed_total", &[("reason", "drain")]),
+        Some(1.0)
+    );
+    assert_eq!(scrape.value("sse_connections", &[]), Some(0.0));
+    assert!(scrape.value_or_zero("drain_duration_seconds", &[]) > 0.0);
+}
+
+/// SIGTERM with three open streams: all three end, the process exits 0 within `drain.grace`,
+/// and the log shows the drain starting and finishing.
+#[tokio::test]
+async fn sigterm_drains_and_exits_zero() {
+    let mut hub = Hub::builder()
+        .env("POSTHORN_DRAIN__GRACE", "5s")
+        .env("POSTHORN_DRAIN__RETRY_MIN", "1s")
+        .env("POSTHORN_DRAIN__RETRY_MAX", "2s")
+        .start()
+        .await;
+    let mut clients = Vec::new();
+    for device in ["pos-t1", "pos-t2", "pos-t3"] {
+        clients.push(live_stream(&hub, device).await);
+    }
+
+    hub.signal("TERM");
+    for client in &mut clients {
+        client.read_to_close(Duration::from_secs(15)).await;
+        assert!(client.body_complete(), "{:?}", client.raw_text());
+        let retry = client.retry.expect("retry");
+        assert!((1000..=2000).contains(&retry), "drain retry {retry}");
+    }
+    let status = hub
+        .wait_exit(Duration::from_secs(15))
+        .await
+        .expect("posthorn still running after SIGTERM");
+    assert_eq!(status.code(), Some(0), "exit status {status}");
+    let log = hub.stderr_log();
+    assert!(log.contains("drain started"), "{log}");
+    assert!(
+        log.contains("drain finished"),
+        "drain did not finish within grace: {log}"
+    );
+    assert!(log.contains("3 connections"), "{log}");
+}
+
+/// `POST /admin/drain` without `exit=false` is 202 and the process then exits 0.
+#[tokio::test]
+async fn admin_drain_exits_zero() {
+    let mut hub = Hub::builder()
+        .env("POSTHORN_DRAIN__GRACE", "5s")
+        .start()
+        .await;
+    let mut client = live_stream(&hub, "pos-x").await;
+    let resp = http::request(hub.addr(), "POST", "/admin/drain", &[], None).await;
+    assert_eq!(resp.status, 202, "{}", resp.text());
+    assert_eq!(resp.json()["exit"], true);
+    assert!(client.wait_closed(Duration::from_secs(15)).await);
+    let status = hub
+        .wait_exit(Duration::from_secs(15))
+        .await
+        .expect("posthorn still running after POST /admin/drain");
+    assert_eq!(status.code(), Some(0), "exit status {status}");
+    assert!(hub.stderr_log().contains("drain finished"));
+}

@@ -1,0 +1,365 @@
+//! Black-box tests of `GET /v1/devices/{device}/events` (SPEC 4.1) on the memory backend:
+//! headers and prelude, live delivery, resume, resync, heartbeats, takeover and limits.
+
+mod support;
+
+use std::time::Duration;
+
+use serde_json::{json, Value};
+use support::{http, metrics, Hub, SseClient, SseEvent, SseNext};
+
+const WAIT: Duration = Duration::from_secs(10);
+
+fn stream_path(device: &str) -> String {
+    format!("/v1/devices/{device}/events")
+}
+
+/// Publishes one event and returns the id the hub answered with.
+async fn publish(hub: &Hub, event: Value) -> String {
+    let response = http::post_json(hub.addr(), "/v1/events", &event).await;
+    assert_eq!(response.status, 201, "{}", response.text());
+    response.json()["results"][0]["id"]
+        .as_str()
+        .expect("id")
+        .to_string()
+}
+
+async fn publish_to(hub: &Hub, device: &str, data: &str) -> String {
+    publish(
+        hub,
+        json!({ "device": device, "type": "test", "data": data }),
+    )
+    .await
+}
+
+fn resync_reason(event: &SseEvent) -> String {
+    assert_eq!(event.event, "resync", "expected a resync, got {event:?}");
+    let data: Value = serde_json::from_str(&event.data).expect("resync data is JSON");
+    data["reason"].as_str().expect("reason").to_string()
+}
+
+/// Two device ids that land on different shards of the default 64.
+fn devices_on_two_shards() -> (&'static str, &'static str) {
+    let (a, b) = ("pos-1", "pos-17");
+    assert_ne!(
+        crc32fast::hash(a.as_bytes()) % 64,
+        crc32fast::hash(b.as_bytes()) % 64
+    );
+    (a, b)
+}
+
+/// The stream answers 200 with the SPEC headers and flushes `retry:` and a comment before any
+/// event exists, so a client knows at once that it is connected.
+#[tokio::test]
+async fn stream_opens_with_headers_and_an_immediate_prelude() {
+    let hub = Hub::builder().start().await;
+    let mut client = SseClient::connect(hub.addr(), &stream_path("pos-1"), &[]).await;
+    assert_eq!(client.status(), 200);
+    assert_eq!(client.header("content-type"), Some("text/event-stream"));
+    assert_eq!(client.header("cache-control"), Some("no-cache"));
+    assert_eq!(client.header("x-accel-buffering"), Some("no"));
+    assert!(matches!(
+        client.next_event(Duration::from_millis(700)).await,
+        SseNext::Timeout
+    ));
+    assert_eq!(client.retry, Some(3000));
+    assert!(
+        !client.comments.is_empty(),
+        "a comment line must be flushed at once"
+    );
+    assert!(
+        client.raw_text().starts_with("retry: 3000\n"),
+        "{:?}",
+        client.raw_text()
+    );
+}
+
+/// Live events arrive in order with the id, type and data that publishing reported, and payload
+/// line breaks (CR, LF, CRLF) come back as LF lines that cannot inject fields.
+#[tokio::test]
+async fn live_events_carry_published_ids_and_safe_multiline_data() {
+    let hub = Hub::builder().start().await;
+    let mut client = SseClient::connect(hub.addr(), &stream_path("pos-1"), &[]).await;
+    let first = publish_to(&hub, "pos-1", "one").await;
+    let hostile = "a\r\nb\rc\nid: forged\nevent: resync\n\ndata: x";
+    let second = publish_to(&hub, "pos-1", hostile).await;
+    let events = client.expect_events(2, WAIT).await;
+    assert_eq!(events[0].id.as_deref(), Some(first.as_str()));
+    assert_eq!(
+        (events[0].event.as_str(), events[0].data.as_str()),
+        ("test", "one")
+    );
+    assert_eq!(events[1].id.as_deref(), Some(second.as_str()));
+    assert_eq!(events[1].event, "test");
+    assert_eq!(
+        events[1].data,
+        "a\nb\nc\nid: forged\nevent: resync\n\ndata: x"
+    );
+}
+
+/// Reconnecting with `Last-Event-ID` replays exactly the device's missed events and its shard's
+/// broadcasts, in order, then continues live; `?last_event_id=` works the same way.
+#[tokio::test]
+async fn resume_replays_missed_events_then_continues_live() {
+    let hub = Hub::builder().start().await;
+    let (device, other) = devices_on_two_shards();
+    let mut client = SseClient::connect(hub.addr(), &stream_path(device), &[]).await;
+    publish_to(&hub, device, "e1").await;
+    let cursor = publish_to(&hub, device, "e2").await;
+    let seen = client.expect_events(2, WAIT).await;
+    assert_eq!(seen[1].id.as_deref(), Some(cursor.as_str()));
+    drop(client);
+
+    publish_to(&hub, device, "e3").await;
+    publish_to(&hub, other, "not for us").await;
+    publish(
+        &hub,
+        json!({ "broadcast": true, "type": "notice", "data": "b1" }),
+    )
+    .await;
+    publish_to(&hub, device, "e4").await;
+
+    let by_header = [("Last-Event-ID", cursor.as_str())];
+    let by_query = format!("{}?last_event_id={cursor}", stream_path(device));
+    for (path, headers) in [(stream_path(device), &by_header[..]), (by_query, &[][..])] {
+        // One after the other: a second stream of the device would take the first one over.
+        let mut resume = SseClient::connect(hub.addr(), &path, headers).await;
+        let replayed = resume.expect_events(3, WAIT).await;
+        let data: Vec<&str> = replayed.iter().map(|e| e.data.as_str()).collect();
+        assert_eq!(data, ["e3", "b1", "e4"]);
+        assert_eq!(replayed[1].event, "notice");
+        assert!(matches!(
+            resume.next_event(Duration::from_millis(300)).await,
+            SseNext::Timeout
+        ));
+    }
+
+    let mut resume = SseClient::connect(
+        hub.addr(),
+        &stream_path(device),
+        &[("Last-Event-ID", &cursor)],
+    )
+    .await;
+    resume.expect_events(3, WAIT).await;
+    publish_to(&hub, device, "e5").await;
+    assert_eq!(resume.expect_event(WAIT).await.data, "e5");
+    let scrape = metrics::scrape(hub.addr()).await;
+    assert_eq!(scrape.value("sse_replayed_events_total", &[]), Some(9.0));
+}
+
+/// A cursor that cannot be resumed yields one `resync` with its reason and the head id, then
+/// only live events; the resync id itself is a valid cursor afterwards.
+#[tokio::test]
+async fn unusable_cursors_get_resync_with_reason_and_head_id() {
+    let hub = Hub::builder()
+        .env("POSTHORN_MEMORY__MAX_LEN", "3")
+        .start()
+        .await;
+    let (device, other) = devices_on_two_shards();
+    let oldest = publish_to(&hub, device, "old").await;
+    let mut head = String::new();
+    for i in 0..5 {
+        head = publish_to(&hub, device, &format!("n{i}")).await;
+    }
+    let other_shard = publish_to(&hub, other, "x").await;
+    let (epoch, rest) = oldest.split_once('.').expect("epoch.shard.position");
+    let cases = [
+        ("garbage", "invalid".to_string()),
+        (&"9".repeat(10_000), "invalid".to_string()),
+        ("-1", "invalid".to_string()),
+        ("ünïcödé.1.2-3", "invalid".to_string()),
+        (&other_shard, "invalid".to_string()),
+        (&format!("zz{epoch}.{rest}"), "data_lost".to_string()),
+        (&oldest, "expired".to_string()),
+    ];
+    for (cursor, reason) in &cases {
+        let path = format!(
+            "{}?last_event_id={}",
+            stream_path(device),
+            urlencode(cursor)
+        );
+        let mut client = SseClient::connect(hub.addr(), &path, &[]).await;
+        assert_eq!(client.status(), 200);
+        let event = client.expect_event(WAIT).await;
+        assert_eq!(&resync_reason(&event), reason, "cursor {cursor:?}");
+        assert_eq!(
+            event.id.as_deref(),
+            Some(head.as_str()),
+            "resync carries the head id"
+        );
+        let live = publish_to(&hub, device, "after").await;
+        let next = client.expect_event(WAIT).await;
+        assert_eq!(
+            (next.id.as_deref(), next.data.as_str()),
+            (Some(live.as_str()), "after")
+        );
+        head = live;
+    }
+    let mut client = SseClient::connect(
+        hub.addr(),
+        &stream_path(device),
+        &[("Last-Event-ID", &head)],
+    )
+    .await;
+    assert!(matches!(
+        client.next_event(Duration::from_millis(300)).await,
+        SseNext::Timeout
+    ));
+    let scrape = metrics::scrape(hub.addr()).await;
+    assert_eq!(
+        scrape.value("sse_resyncs_total", &[("reason", "invalid")]),
+        Some(5.0)
+    );
+    assert_eq!(
+        scrape.value("sse_resyncs_total", &[("reason", "data_lost")]),
+        Some(1.0)
+    );
+    assert_eq!(
+        scrape.value("sse_resyncs_total", &[("reason", "expired")]),
+        Some(1.0)
+    );
+}
+
+fn urlencode(text: &str) -> String {
+    text.bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'.' | b'-' | b'_' => (b as char).to_string(),
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}
+
+/// Heartbeats are `: ping` comments at the configured interval, never carrying an id.
+#[tokio::test]
+async fn heartbeats_are_ping_comments_without_ids() {
+    let hub = Hub::builder()
+        .env("POSTHORN_SSE__HEARTBEAT", "200ms")
+        .start()
+        .await;
+    let mut client = SseClient::connect(hub.addr(), &stream_path("pos-1"), &[]).await;
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while client
+        .comments
+        .iter()
+        .filter(|c| c.as_str() == "ping")
+        .count()
+        < 3
+    {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no pings: {:?}",
+            client.raw_text()
+        );
+        assert!(matches!(
+            client.next_event(Duration::from_millis(100)).await,
+            SseNext::Timeout
+        ));
+    }
+    assert!(
+        !client.raw_text().contains("id:"),
+        "{:?}",
+        client.raw_text()
+    );
+    let scrape = metrics::scrape(hub.addr()).await;
+    assert!(scrape.value("sse_heartbeats_sent_total", &[]).unwrap() >= 3.0);
+}
+
+/// A second connection for the same device replaces the first, which is closed and counted.
+#[tokio::test]
+async fn second_connection_for_a_device_takes_over() {
+    let hub = Hub::builder().start().await;
+    let mut first = SseClient::connect(hub.addr(), &stream_path("pos-1"), &[]).await;
+    let mut second = SseClient::connect(hub.addr(), &stream_path("pos-1"), &[]).await;
+    assert!(
+        first.wait_closed(WAIT).await,
+        "the replaced connection must be closed"
+    );
+    publish_to(&hub, "pos-1", "to the newest").await;
+    assert_eq!(second.expect_event(WAIT).await.data, "to the newest");
+    let scrape = metrics::scrape(hub.addr()).await;
+    assert_eq!(
+        scrape.value("sse_connections_closed_total", &[("reason", "takeover")]),
+        Some(1.0)
+    );
+    assert_eq!(scrape.value("sse_connections", &[]), Some(1.0));
+}
+
+/// A broadcast reaches every connected device exactly once, whatever its shard.
+#[tokio::test]
+async fn broadcast_reaches_each_device_once() {
+    let hub = Hub::builder().start().await;
+    let (a, b) = devices_on_two_shards();
+    let mut first = SseClient::connect(hub.addr(), &stream_path(a), &[]).await;
+    let mut second = SseClient::connect(hub.addr(), &stream_path(b), &[]).await;
+    publish(&hub, json!({ "broadcast": true, "data": "all" })).await;
+    publish_to(&hub, a, "marker").await;
+    publish_to(&hub, b, "marker").await;
+    for client in [&mut first, &mut second] {
+        let events = client.expect_events(2, WAIT).await;
+        assert_eq!(events[0].data, "all");
+        assert_eq!(events[1].data, "marker", "the broadcast must arrive once");
+    }
+}
+
+/// Invalid device ids are refused with 400 and a JSON error naming the problem.
+#[tokio::test]
+async fn invalid_device_ids_are_rejected() {
+    let hub = Hub::builder().start().await;
+    let long = "a".repeat(129);
+    for path_device in [
+        "a%20b",
+        "%2A",
+        "k%C3%A9",
+        "a%0Ab",
+        "a%0Db",
+        long.as_str(),
+        "a:b%2Fc",
+    ] {
+        let response = http::get(hub.addr(), &stream_path(path_device)).await;
+        assert_eq!(response.status, 400, "{path_device}: {}", response.text());
+        let body = response.json();
+        assert_eq!(body["error"], "invalid_device", "{body}");
+        assert!(
+            body["message"]
+                .as_str()
+                .unwrap()
+                .contains("invalid device id"),
+            "{body}"
+        );
+    }
+    let ok = "a".repeat(128);
+    let client = SseClient::connect(hub.addr(), &stream_path(&ok), &[]).await;
+    assert_eq!(client.status(), 200);
+}
+
+/// Beyond `limits.max_connections` new streams get 503 with Retry-After while existing ones keep
+/// working, and a closed stream frees its slot.
+#[tokio::test]
+async fn connection_limit_refuses_extra_streams_only() {
+    let hub = Hub::builder()
+        .env("POSTHORN_LIMITS__MAX_CONNECTIONS", "2")
+        .start()
+        .await;
+    let mut first = SseClient::connect(hub.addr(), &stream_path("pos-1"), &[]).await;
+    let second = SseClient::connect(hub.addr(), &stream_path("pos-2"), &[]).await;
+    let refused = http::get(hub.addr(), &stream_path("pos-3")).await;
+    assert_eq!(refused.status, 503);
+    assert_eq!(refused.json()["error"], "too_many_connections");
+    assert!(refused.header("retry-after").is_some());
+    publish_to(&hub, "pos-1", "still served").await;
+    assert_eq!(first.expect_event(WAIT).await.data, "still served");
+
+    drop(second);
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let client = SseClient::connect(hub.addr(), &stream_path("pos-3"), &[]).await;
+        if client.status() == 200 {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "slot was never released"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
