@@ -2,7 +2,7 @@
 //!
 //! ```text
 //! baseline idle   ADDR CONNECTIONS SERVER_PID      # RSS per idle connection
-//! baseline fanout ADDR CONNECTIONS EVENTS SIZE     # broadcast deliveries per second
+//! baseline fanout ADDR CONNECTIONS RATE SECONDS SIZE  # paced broadcasts: deliveries/s, loss
 //! ```
 //! Loopback targets only; client sockets are spread over 127.0.0.2.. so that more than one
 //! source address's worth of ephemeral ports is available. Every phase is bounded in time.
@@ -121,7 +121,9 @@ async fn count_events(mut stream: TcpStream, counter: Arc<AtomicU64>, target: u6
     }
 }
 
-async fn fanout(addr: SocketAddr, connections: usize, events: u64, size: usize) {
+/// Publishes `rate` broadcasts per second for `seconds` (one batch every 10 ms) to `connections`
+/// streams; each broadcast is one delivery per connection.
+async fn fanout(addr: SocketAddr, connections: usize, rate: u64, seconds: u64, size: usize) {
     let mut streams = Vec::with_capacity(connections);
     for chunk in (0..connections).collect::<Vec<_>>().chunks(500) {
         streams.extend(
@@ -133,6 +135,7 @@ async fn fanout(addr: SocketAddr, connections: usize, events: u64, size: usize) 
             .await,
         );
     }
+    let events = rate * seconds;
     let delivered = Arc::new(AtomicU64::new(0));
     let readers: Vec<_> = streams
         .into_iter()
@@ -140,32 +143,44 @@ async fn fanout(addr: SocketAddr, connections: usize, events: u64, size: usize) 
         .collect();
     let payload = "x".repeat(size);
     let started = Instant::now();
-    let per_request = 50;
+    let tick = Duration::from_millis(10);
     let mut sent = 0;
+    let mut next = tokio::time::Instant::now();
     while sent < events {
-        let batch = (events - sent).min(per_request);
-        let items: Vec<String> = (0..batch)
-            .map(|_| format!("{{\"broadcast\":true,\"data\":\"{payload}\"}}"))
-            .collect();
-        post(addr, &format!("[{}]", items.join(","))).await;
-        sent += batch;
+        next += tick;
+        tokio::time::sleep_until(next).await;
+        let due = ((started.elapsed().as_secs_f64() * rate as f64) as u64).min(events);
+        if due > sent {
+            let items: Vec<String> = (sent..due)
+                .map(|_| format!("{{\"broadcast\":true,\"data\":\"{payload}\"}}"))
+                .collect();
+            post(addr, &format!("[{}]", items.join(","))).await;
+            sent = due;
+        }
     }
     let published = started.elapsed().as_secs_f64();
     let expected = events * connections as u64;
-    while delivered.load(Ordering::Relaxed) < expected && started.elapsed() < PHASE_LIMIT {
+    let drain_limit = Instant::now() + Duration::from_secs(10);
+    while delivered.load(Ordering::Relaxed) < expected && Instant::now() < drain_limit {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     let elapsed = started.elapsed().as_secs_f64();
     let got = delivered.load(Ordering::Relaxed);
+    let mut closed = 0;
     for reader in readers {
+        if reader.is_finished() {
+            continue;
+        }
         reader.abort();
+        closed += 1;
     }
     println!(
-        "fanout: {events} broadcasts of {size} B to {connections} connections: {got}/{expected} delivered in {elapsed:.2}s (published in {published:.2}s): {:.0} deliveries/s",
+        "fanout: {rate} broadcasts/s of {size} B for {seconds}s to {connections} connections: {got}/{expected} delivered ({:.3}% loss, {closed} streams short) in {elapsed:.2}s (publishing took {published:.2}s): {:.0} deliveries/s",
+        100.0 * (expected - got) as f64 / expected as f64,
         got as f64 / elapsed
     );
     println!(
-        "{{\"scenario\":\"fanout\",\"connections\":{connections},\"events\":{events},\"size\":{size},\"delivered\":{got},\"expected\":{expected},\"seconds\":{elapsed:.3},\"deliveries_per_second\":{:.0}}}",
+        "{{\"scenario\":\"fanout\",\"connections\":{connections},\"rate\":{rate},\"seconds\":{seconds},\"size\":{size},\"delivered\":{got},\"expected\":{expected},\"elapsed\":{elapsed:.3},\"deliveries_per_second\":{:.0}}}",
         got as f64 / elapsed
     );
 }
@@ -173,7 +188,7 @@ async fn fanout(addr: SocketAddr, connections: usize, events: u64, size: usize) 
 #[tokio::main]
 async fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let usage = "usage: baseline idle ADDR CONNECTIONS SERVER_PID | baseline fanout ADDR CONNECTIONS EVENTS SIZE";
+    let usage = "usage: baseline idle ADDR CONNECTIONS SERVER_PID | baseline fanout ADDR CONNECTIONS RATE SECONDS SIZE";
     let addr: SocketAddr = args.get(1).and_then(|a| a.parse().ok()).expect(usage);
     assert!(
         addr.ip().is_loopback(),
@@ -183,7 +198,16 @@ async fn main() {
     let work = async {
         match args.first().map(String::as_str) {
             Some("idle") => idle(addr, number(2) as usize, number(3) as u32).await,
-            Some("fanout") => fanout(addr, number(2) as usize, number(3), number(4) as usize).await,
+            Some("fanout") => {
+                fanout(
+                    addr,
+                    number(2) as usize,
+                    number(3),
+                    number(4),
+                    number(5) as usize,
+                )
+                .await
+            }
             _ => panic!("{usage}"),
         }
     };

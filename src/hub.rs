@@ -63,12 +63,15 @@ pub fn check_servable(config: &Config) -> Result<(), ServeError> {
     Ok(())
 }
 
+/// Entries per memory tail read: one Router batch, as `redis.count` is for a Redis tail.
+const MEMORY_TAIL_BATCH: usize = 500;
+
 pub fn build_backend(config: &Config) -> Arc<dyn Backend> {
     Arc::new(MemoryBackend::new(MemorySettings {
         shards: config.memory.shards,
         retention: config.memory.retention,
         max_len: config.memory.max_len,
-        tail_count: config.redis.count,
+        tail_count: MEMORY_TAIL_BATCH,
         dedupe_window: config.publish.dedupe_window,
     }))
 }

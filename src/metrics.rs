@@ -135,7 +135,7 @@ impl Metrics {
         let publish_events = counter_vec(
             r,
             "publish_events_total",
-            "events submitted to POST /v1/events, by result (accepted, duplicate, rejected, failed)",
+            "events submitted to POST /v1/events, by result (accepted, duplicate, failed); a rejected request counts once",
             "result",
         );
         for result in [

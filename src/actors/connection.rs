@@ -1,7 +1,7 @@
 //! `Connection`: one actor per open SSE stream (one device on this pod).
 //!
 //! Owns: the bounded event queue (`sse.queue_limit`, an mpsc whose receiver is the SSE body), the
-//! replay channel while a backlog is sent, and the [`SocketGuard`] that can drop the connection.
+//! replay channel while a backlog is sent, and the [`StreamControl`] it shares with the body.
 //! Receives (control only): [`Close`] (Router: `SlowConsumer`, `Takeover`; Shutdown: `Drain`),
 //! [`BodyDropped`] (the body, when actix drops it: the client went away).
 //! Sends: [`Register`] on start and [`Unregister`] on stop to the Router.
@@ -10,8 +10,9 @@
 //! Backpressure: the Router `try_send`s into the queue; full → `CloseReason::SlowConsumer`, and
 //! the socket is shut at once (see `sse::socket`). Replay pages wait on the replay channel, i.e.
 //! on the client's reading speed, while live events accumulate in the bounded queue.
-//! Drain: `Close { Drain, retry }` queues `retry:` and an end marker behind what is already queued,
-//! so the body flushes everything, then ends the response; the TCP connection is closed.
+//! Drain: `Close { Drain, retry }` drops this actor's queue sender and stops it (which unregisters
+//! it from the Router): the body writes everything already queued, then `retry:`, then ends the
+//! response, and the TCP connection is closed.
 
 use std::sync::{
     atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering},
@@ -31,7 +32,7 @@ use crate::{
     backend::{Backend, BackendError},
     metrics::Metrics,
     model::{Cursor, DeviceId},
-    sse::{body::SseBody, frame, socket::SocketGuard, QueueItem},
+    sse::{body::SseBody, control::StreamControl, frame, QueueItem},
 };
 
 /// Entries read from the backend per replay request.
@@ -140,13 +141,14 @@ pub struct Connection {
     id: u64,
     device: DeviceId,
     shard: u32,
-    /// Our own sending half, for `retry:` and the end marker on drain; `None` once closing.
+    /// Our own sending half: keeps the stream open until this actor decides how it ends (before
+    /// registration the Router holds none). `None` once closing.
     queue: Option<mpsc::Sender<QueueItem>>,
     /// Cursor and replay sender, taken when the actor starts.
     resume: Option<(String, mpsc::Sender<QueueItem>)>,
     /// Told once the Router has registered this connection, taken when the actor starts.
     registered: Option<oneshot::Sender<Recipient<Close>>>,
-    socket: Arc<SocketGuard>,
+    control: Arc<StreamControl>,
     router: RouterLink,
     backend: Arc<dyn Backend>,
     metrics: Arc<Metrics>,
@@ -175,7 +177,7 @@ impl Connection {
             }
             None => (None, None),
         };
-        let socket = Arc::new(SocketGuard::new(stream.socket_fd));
+        let control = Arc::new(StreamControl::new(stream.socket_fd));
         let (registered, on_registered) = oneshot::channel();
         let connection = Connection {
             id: hub.next_id(),
@@ -184,7 +186,7 @@ impl Connection {
             queue: Some(queue),
             resume,
             registered: Some(registered),
-            socket: socket.clone(),
+            control: control.clone(),
             router,
             backend,
             metrics: metrics.clone(),
@@ -196,7 +198,7 @@ impl Connection {
             frame::prelude(stream.retry_ms),
             replay,
             live,
-            socket,
+            control,
             address.recipient(),
             metrics,
         );
@@ -207,7 +209,7 @@ impl Connection {
     fn abort(&mut self, reason: CloseReason) {
         self.closing.get_or_insert(reason);
         self.queue = None;
-        self.socket.abort();
+        self.control.abort();
     }
 }
 
@@ -289,18 +291,13 @@ impl Handler<Close> for Connection {
             return;
         }
         if close.reason == CloseReason::Drain {
-            let queue = self.queue.take();
-            let queued = queue.is_some_and(|queue| {
-                close
-                    .retry_ms
-                    .is_none_or(|ms| queue.try_send(QueueItem::Retry(ms)).is_ok())
-                    && queue.try_send(QueueItem::End).is_ok()
-            });
-            if queued {
-                self.closing = Some(CloseReason::Drain);
-            } else {
-                self.abort(CloseReason::SlowConsumer);
+            // Dropping our sender and leaving the Router (on stop) lets the body write everything
+            // already queued, then the closing retry, then end: nothing queued is lost.
+            if let Some(retry_ms) = close.retry_ms {
+                self.control.set_closing_retry(retry_ms);
             }
+            self.closing = Some(CloseReason::Drain);
+            self.queue = None;
         } else {
             self.abort(close.reason);
         }

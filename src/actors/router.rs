@@ -162,18 +162,24 @@ impl Router {
         let slice = self.heartbeat_tick % HEARTBEAT_SLICES;
         self.heartbeat_tick += 1;
         let mut overflowed = Vec::new();
+        let mut closed = Vec::new();
         for (shard, routes) in self.shards.iter().enumerate() {
             for (device, route) in routes {
                 if route.connection_id % HEARTBEAT_SLICES != slice {
                     continue;
                 }
-                if let Err(TrySendError::Full(_)) = route.queue.try_send(QueueItem::Ping) {
-                    overflowed.push((shard as u32, device.clone()));
+                match route.queue.try_send(QueueItem::Ping) {
+                    Ok(()) => {}
+                    Err(TrySendError::Full(_)) => overflowed.push((shard as u32, device.clone())),
+                    Err(TrySendError::Closed(_)) => closed.push((shard as u32, device.clone())),
                 }
             }
         }
         for (shard, device) in overflowed {
             self.evict(shard, &device);
+        }
+        for (shard, device) in closed {
+            self.remove(shard, &device);
         }
     }
 }

@@ -81,6 +81,10 @@ pub struct Shutdown {
     config: DrainConfig,
     metrics: Arc<Metrics>,
     status: SharedDrainStatus,
+    /// Some trigger asked for the process to end once drained (a signal after an `exit=false`
+    /// drain still ends the process).
+    exit_when_drained: bool,
+    drained: bool,
 }
 
 impl Shutdown {
@@ -100,6 +104,8 @@ impl Shutdown {
             server: None,
             config,
             metrics,
+            exit_when_drained: false,
+            drained: false,
             status: Arc::new(Mutex::new(DrainStatus {
                 phase: DrainPhase::Idle,
                 trigger: None,
@@ -114,6 +120,16 @@ impl Shutdown {
 
     pub fn status(&self) -> SharedDrainStatus {
         self.status.clone()
+    }
+
+    fn stop_server_if_asked(&mut self) {
+        if !(self.drained && self.exit_when_drained) {
+            return;
+        }
+        if let Some(server) = self.server.take() {
+            // SSE responses are closed by now; the server only waits for in-flight requests.
+            actix::spawn(async move { server.stop(true).await });
+        }
     }
 }
 
@@ -161,7 +177,10 @@ impl Handler<StartDrain> for Shutdown {
     type Result = bool;
 
     fn handle(&mut self, start: StartDrain, ctx: &mut Context<Self>) -> bool {
+        self.exit_when_drained |= start.exit;
         if !self.hub.start_draining() {
+            // Already draining or drained: only the exit request may be new.
+            self.stop_server_if_asked();
             return false;
         }
         self.metrics.drain_in_progress.set(1);
@@ -178,10 +197,12 @@ impl Handler<StartDrain> for Shutdown {
             tails: self.tails.clone(),
             status: self.status.clone(),
             metrics: self.metrics.clone(),
-            server: start.exit.then(|| self.server.clone()).flatten(),
             trigger: start.trigger,
         };
-        ctx.spawn(drain.run().into_actor(self));
+        ctx.spawn(drain.run().into_actor(self).map(|(), shutdown, _| {
+            shutdown.drained = true;
+            shutdown.stop_server_if_asked();
+        }));
         true
     }
 }
@@ -194,7 +215,6 @@ struct Drain {
     tails: Vec<Recipient<StopTail>>,
     status: SharedDrainStatus,
     metrics: Arc<Metrics>,
-    server: Option<ServerHandle>,
     trigger: &'static str,
 }
 
@@ -283,10 +303,6 @@ impl Drain {
                 "drain forced at the grace deadline: {closed} connections asked to close in {:.1}s, some still open",
                 elapsed.as_secs_f64()
             );
-        }
-        if let Some(server) = self.server {
-            // SSE responses are closed by now; the server only waits for in-flight requests.
-            server.stop(true).await;
         }
     }
 }

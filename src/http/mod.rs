@@ -21,7 +21,7 @@ use crate::{
     backend::Backend,
     config::Config,
     metrics::Metrics,
-    sse::socket::ConnectionSocket,
+    sse::control::ConnectionSocket,
 };
 
 pub use error::ApiError;
@@ -117,6 +117,9 @@ pub fn server(state: AppState) -> std::io::Result<Server> {
     .shutdown_timeout(2)
     // A client's FIN must end its stream now, not at the next failed write.
     .h1_allow_half_closed(false)
+    // Events must leave at once; the SSE body already coalesces what is queued into one write,
+    // so Nagle's algorithm would only add a round trip of delay to a lone event.
+    .tcp_nodelay(true)
     .backlog(4096)
     .max_connections(50_000)
     .on_connect(move |connection, extensions| {

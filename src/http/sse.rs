@@ -13,7 +13,7 @@ use crate::{
         connection::{Close, Connection, OpenStream},
     },
     model::{shard_of, DeviceId},
-    sse::socket::ConnectionSocket,
+    sse::control::ConnectionSocket,
 };
 
 /// Longest wait for the Router to register a new stream before answering 503.

@@ -4,7 +4,8 @@
 //! Connection replays a backlog, only the replay channel (live events wait in the bounded queue);
 //! then the live queue, skipping events at or before the last replayed position, so the switch
 //! from replay to live has no gap and no duplicate. Frames that are ready together are written in
-//! one chunk (one syscall instead of one per event).
+//! one chunk (one syscall instead of one per event). When every sender is gone the stream ends
+//! cleanly, after the closing `retry:` of a drain; an abort ends it with an error at once.
 
 use std::{
     error::Error as StdError,
@@ -19,7 +20,7 @@ use actix_web::body::{BodySize, MessageBody};
 use bytes::{Bytes, BytesMut};
 use tokio::sync::mpsc;
 
-use super::{frame, socket::SocketGuard, QueueItem};
+use super::{control::StreamControl, frame, QueueItem};
 use crate::{actors::connection::BodyDropped, metrics::Metrics, model::Position};
 
 /// Largest chunk assembled from queued frames before handing it to actix.
@@ -45,7 +46,7 @@ pub struct SseBody {
     /// Newest position already written: live events at or before it are duplicates.
     floor: Option<Position>,
     ended: bool,
-    socket: Arc<SocketGuard>,
+    control: Arc<StreamControl>,
     /// Tells the Connection actor that the client is gone when actix drops the body.
     on_drop: Option<Recipient<BodyDropped>>,
     metrics: Arc<Metrics>,
@@ -56,7 +57,7 @@ impl SseBody {
         prelude: Bytes,
         replay: Option<mpsc::Receiver<QueueItem>>,
         live: mpsc::Receiver<QueueItem>,
-        socket: Arc<SocketGuard>,
+        control: Arc<StreamControl>,
         on_drop: Recipient<BodyDropped>,
         metrics: Arc<Metrics>,
     ) -> Self {
@@ -66,7 +67,7 @@ impl SseBody {
             live,
             floor: None,
             ended: false,
-            socket,
+            control,
             on_drop: Some(on_drop),
             metrics,
         }
@@ -140,7 +141,7 @@ impl MessageBody for SseBody {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Bytes, Evicted>>> {
         let this = self.get_mut();
-        if this.socket.is_aborted() {
+        if this.control.is_aborted() {
             return Poll::Ready(Some(Err(Evicted)));
         }
         if let Some(prelude) = this.prelude.take() {
@@ -169,13 +170,17 @@ impl MessageBody for SseBody {
                     this.metrics.sse_heartbeats_sent.inc();
                     chunk.push(frame::PING);
                 }
-                QueueItem::Retry(ms) => chunk.push(frame::retry(ms)),
-                QueueItem::End => this.ended = true,
+            }
+        }
+        // Every sender is gone: a clean end (drain) tells the client when to come back.
+        if this.ended && !this.control.is_aborted() {
+            if let Some(retry_ms) = this.control.take_closing_retry() {
+                chunk.push(frame::retry(retry_ms));
             }
         }
         match chunk.into_bytes() {
             Some(bytes) => Poll::Ready(Some(Ok(bytes))),
-            None if this.ended && this.socket.is_aborted() => Poll::Ready(Some(Err(Evicted))),
+            None if this.ended && this.control.is_aborted() => Poll::Ready(Some(Err(Evicted))),
             None if this.ended => Poll::Ready(None),
             None => Poll::Pending,
         }
@@ -184,7 +189,7 @@ impl MessageBody for SseBody {
 
 impl Drop for SseBody {
     fn drop(&mut self) {
-        self.socket.release();
+        self.control.release();
         if let Some(connection) = self.on_drop.take() {
             connection.do_send(BodyDropped);
         }

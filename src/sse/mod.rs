@@ -1,8 +1,8 @@
 //! SSE on the wire: framing (pure) and the response body that drains a connection's queue.
 
 pub mod body;
+pub mod control;
 pub mod frame;
-pub mod socket;
 
 use bytes::Bytes;
 
@@ -21,8 +21,4 @@ pub enum QueueItem {
     /// Replay starts after this position: live events at or before it are already known.
     Floor(Position),
     Ping,
-    /// `retry: <ms>` sent on its own, e.g. before a drain close.
-    Retry(u32),
-    /// Close the stream cleanly once everything queued before it has been written.
-    End,
 }

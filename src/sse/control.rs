@@ -1,4 +1,8 @@
-//! A handle on a connection's TCP socket that lets the hub drop a stuck client at once.
+//! [`StreamControl`]: what a Connection actor and its response body share to end the stream.
+//!
+//! Two ways to end, for two reasons. A drain ends cleanly: the Connection drops its queue sender
+//! and leaves the Router, the body writes what is queued, then the `retry:` stored here, then
+//! ends. An eviction (slow consumer, takeover) ends at once, as follows.
 //!
 //! actix-http stops polling a response body while its write buffer is full, so a client that
 //! never reads would never see an error returned by the body: its connection (and everything
@@ -7,13 +11,13 @@
 //! unsent bytes with an RST instead of holding them for a peer that does not read.
 //!
 //! The raw fd is only touched while the response body is alive. actix-http drops the body before
-//! it closes the socket, and [`SocketGuard::release`] (called from the body's `Drop`) takes the
-//! same lock as [`SocketGuard::abort`], so an abort can never hit a reused file descriptor.
+//! it closes the socket, and [`StreamControl::release`] (called from the body's `Drop`) takes the
+//! same lock as [`StreamControl::abort`], so an abort can never hit a reused file descriptor.
 
 use std::{
     os::fd::{BorrowedFd, RawFd},
     sync::{
-        atomic::{AtomicBool, Ordering},
+        atomic::{AtomicBool, AtomicU32, Ordering},
         Mutex,
     },
     time::Duration,
@@ -24,17 +28,29 @@ use std::{
 pub struct ConnectionSocket(pub RawFd);
 
 #[derive(Debug)]
-pub struct SocketGuard {
+pub struct StreamControl {
     fd: Mutex<Option<RawFd>>,
     aborted: AtomicBool,
+    /// `retry:` (ms) the body writes after the last queued frame of a clean end; 0 = none.
+    closing_retry_ms: AtomicU32,
 }
 
-impl SocketGuard {
+impl StreamControl {
     pub fn new(fd: Option<RawFd>) -> Self {
         Self {
             fd: Mutex::new(fd),
             aborted: AtomicBool::new(false),
+            closing_retry_ms: AtomicU32::new(0),
         }
+    }
+
+    pub fn set_closing_retry(&self, retry_ms: u32) {
+        self.closing_retry_ms.store(retry_ms, Ordering::Release);
+    }
+
+    /// The closing `retry:`, once.
+    pub fn take_closing_retry(&self) -> Option<u32> {
+        Some(self.closing_retry_ms.swap(0, Ordering::AcqRel)).filter(|ms| *ms > 0)
     }
 
     /// Drops the connection now, discarding whatever is still buffered for it.
