@@ -9,32 +9,10 @@ use serde_json::Value;
 use tokio::time::Instant;
 
 use support::http::{self, HttpResponse};
-use support::{metrics, Hub, SseClient};
+use support::{live_stream, metrics, stream_path, Hub, SseClient};
 
 /// Failure guard for anything the hub should do "at once".
 const WAIT: Duration = Duration::from_secs(10);
-
-fn stream_path(device: &str) -> String {
-    format!("/v1/devices/{device}/events")
-}
-
-/// Opens a stream for `device` and returns once the hub has registered it with the router.
-///
-/// The stream is opened with an invalid `Last-Event-ID`: the hub registers the connection
-/// before it answers with `event: resync` (SPEC 4.1), so once that event has arrived the
-/// connection is known to the router (and thus to a drain).
-async fn live_stream(hub: &Hub, device: &str) -> SseClient {
-    let mut client = SseClient::connect(
-        hub.addr(),
-        &stream_path(device),
-        &[("Last-Event-ID", "sync")],
-    )
-    .await;
-    assert_eq!(client.status(), 200, "stream for {device}");
-    let first = client.expect_event(WAIT).await;
-    assert_eq!(first.event, "resync", "first event on {device}: {first:?}");
-    client
-}
 
 fn assert_json_error(resp: &HttpResponse, status: u16, code: &str) -> Value {
     assert_eq!(resp.status, status, "answer: {}", resp.text());

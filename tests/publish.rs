@@ -14,34 +14,10 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 use support::http::{self, HttpResponse};
-use support::{metrics, Hub, SseClient, SseEvent, SseNext};
+use support::{live_stream, metrics, stream_path, Hub, SseClient, SseEvent, SseNext};
 
 /// Failure guard for anything the hub should do "at once".
 const WAIT: Duration = Duration::from_secs(10);
-
-fn stream_path(device: &str) -> String {
-    format!("/v1/devices/{device}/events")
-}
-
-/// Opens a stream for `device` and returns once the hub has registered it for live events.
-///
-/// A client without a cursor cannot observe when its connection is registered with the
-/// router, so a publish right after connecting could race it. Instead the stream is opened
-/// with an invalid `Last-Event-ID`: the hub registers the connection first and then answers
-/// with `event: resync` (SPEC 4.1), after which every event published is delivered live.
-async fn live_stream(hub: &Hub, device: &str) -> SseClient {
-    let mut client = SseClient::connect(
-        hub.addr(),
-        &stream_path(device),
-        &[("Last-Event-ID", "sync")],
-    )
-    .await;
-    assert_eq!(client.status(), 200, "stream for {device}");
-    let first = client.expect_event(WAIT).await;
-    assert_eq!(first.event, "resync", "first event on {device}: {first:?}");
-    assert_eq!(first.data, r#"{"reason":"invalid"}"#);
-    client
-}
 
 async fn publish(hub: &Hub, body: &Value) -> HttpResponse {
     http::post_json(hub.addr(), "/v1/events", body).await

@@ -6,13 +6,9 @@ mod support;
 use std::time::Duration;
 
 use serde_json::{json, Value};
-use support::{http, metrics, Hub, SseClient, SseEvent, SseNext};
+use support::{http, metrics, stream_path, Hub, SseClient, SseEvent, SseNext};
 
 const WAIT: Duration = Duration::from_secs(10);
-
-fn stream_path(device: &str) -> String {
-    format!("/v1/devices/{device}/events")
-}
 
 /// Publishes one event and returns the id the hub answered with.
 async fn publish(hub: &Hub, event: Value) -> String {

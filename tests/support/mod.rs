@@ -30,3 +30,17 @@ pub fn free_port() -> u16 {
     let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).expect("bind 127.0.0.1:0");
     listener.local_addr().expect("local_addr").port()
 }
+
+/// Path of the SSE stream of `device`.
+pub fn stream_path(device: &str) -> String {
+    format!("/v1/devices/{device}/events")
+}
+
+/// Opens the stream of `device` without a cursor and checks it was accepted. The hub answers only
+/// once the connection is registered for live events, so every event published after this
+/// returns is delivered to it.
+pub async fn live_stream(hub: &Hub, device: &str) -> SseClient {
+    let client = SseClient::connect(hub.addr(), &stream_path(device), &[]).await;
+    assert_eq!(client.status(), 200, "stream for {device}");
+    client
+}
