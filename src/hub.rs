@@ -16,7 +16,11 @@ use crate::{
         shutdown::{AttachServer, Shutdown},
         stream_tail::StreamTail,
     },
-    backend::{memory::MemorySettings, Backend, MemoryBackend},
+    backend::{
+        memory::MemorySettings,
+        redis::{RedisBackend, RedisSettings},
+        Backend, MemoryBackend,
+    },
     config::{AuthMode, BackendKind, Config},
     http::{self, AppState},
     metrics::Metrics,
@@ -32,6 +36,8 @@ pub enum ServeError {
         addr: std::net::SocketAddr,
         source: io::Error,
     },
+    #[error("cannot start the backend: {0}")]
+    Backend(String),
     #[error("server failed: {0}")]
     Io(#[from] io::Error),
 }
@@ -54,11 +60,10 @@ pub fn check_servable(config: &Config) -> Result<(), ServeError> {
                 .into(),
         ));
     }
-    if config.backend.kind != BackendKind::Memory {
-        return Err(ServeError::Unservable(format!(
-            "backend.kind = {} is not available in this build yet; use backend.kind = memory",
-            config.backend.kind.as_str()
-        )));
+    if config.backend.kind == BackendKind::Nats {
+        return Err(ServeError::Unservable(
+            "backend.kind = nats is not available in this build yet; use memory or redis".into(),
+        ));
     }
     Ok(())
 }
@@ -66,14 +71,43 @@ pub fn check_servable(config: &Config) -> Result<(), ServeError> {
 /// Entries per memory tail read: one Router batch, as `redis.count` is for a Redis tail.
 const MEMORY_TAIL_BATCH: usize = 500;
 
-pub fn build_backend(config: &Config) -> Arc<dyn Backend> {
-    Arc::new(MemoryBackend::new(MemorySettings {
-        shards: config.memory.shards,
-        retention: config.memory.retention,
-        max_len: config.memory.max_len,
-        tail_count: MEMORY_TAIL_BATCH,
+pub fn redis_settings(config: &Config) -> RedisSettings {
+    let redis = &config.redis;
+    RedisSettings {
+        url: redis.url.clone(),
+        urls: redis.urls.clone(),
+        cluster: redis.cluster,
+        groups: redis.groups,
+        shards: redis.shards,
+        prefix: redis.prefix.clone(),
+        block: redis.block,
+        count: redis.count,
+        retention: redis.retention,
+        max_len: redis.max_len,
         dedupe_window: config.publish.dedupe_window,
-    }))
+    }
+}
+
+pub async fn build_backend(config: &Config) -> Result<Arc<dyn Backend>, ServeError> {
+    Ok(match config.backend.kind {
+        BackendKind::Memory => Arc::new(MemoryBackend::new(MemorySettings {
+            shards: config.memory.shards,
+            retention: config.memory.retention,
+            max_len: config.memory.max_len,
+            tail_count: MEMORY_TAIL_BATCH,
+            dedupe_window: config.publish.dedupe_window,
+        })),
+        BackendKind::Redis => Arc::new(
+            RedisBackend::connect(redis_settings(config))
+                .await
+                .map_err(|error| ServeError::Backend(error.to_string()))?,
+        ),
+        BackendKind::Nats => {
+            return Err(ServeError::Unservable(
+                "backend.kind = nats is not available yet".into(),
+            ))
+        }
+    })
 }
 
 /// Runs the hub until it has drained (SIGTERM, SIGINT, `POST /admin/drain`).
@@ -81,7 +115,7 @@ pub fn serve(config: Config) -> Result<(), ServeError> {
     check_servable(&config)?;
     let config = Arc::new(config);
     System::new().block_on(async move {
-        let backend = build_backend(&config);
+        let backend = build_backend(&config).await?;
         let metrics = Arc::new(Metrics::new(Registry::new(), backend.kind()));
         let groups = backend.groups();
         metrics.init_groups(groups.len());

@@ -268,7 +268,15 @@ impl TailLoop {
             epoch,
             events,
             gaps,
+            skipped,
         } = batch;
+        if skipped > 0 {
+            self.metrics.tail_entries_skipped.inc_by(skipped);
+            log::warn!(
+                "tail of group {} skipped {skipped} entries with missing or invalid fields",
+                self.group
+            );
+        }
         let newest_ms = events.iter().map(|event| event.position.ms).max();
         let count = events.len() as u64;
         let events = match &epoch {
@@ -286,7 +294,7 @@ impl TailLoop {
                 .collect(),
             None => Vec::new(),
         };
-        let resyncs = gaps
+        let resyncs: Vec<RoutedEvent> = gaps
             .into_iter()
             .map(|gap| {
                 let reason = match gap.reason {
@@ -307,10 +315,9 @@ impl TailLoop {
                 }
             })
             .collect();
-        let lag = newest_ms.map(|ms| (now_ms().saturating_sub(ms)) as f64 / 1000.0);
-        if let Some(lag) = lag {
-            self.metrics.tail_lag(self.group, lag);
-        }
+        // An empty read (a BLOCK timeout) means the tail has caught up: no lag.
+        let lag = newest_ms.map_or(0.0, |ms| now_ms().saturating_sub(ms) as f64 / 1000.0);
+        self.metrics.tail_lag(self.group, lag);
         let last_ids = tail
             .last_positions()
             .into_iter()
@@ -321,8 +328,11 @@ impl TailLoop {
             s.batches += 1;
             s.events += count;
             s.last_ids = last_ids;
-            s.lag_seconds = lag.unwrap_or(s.lag_seconds);
+            s.lag_seconds = lag;
         });
+        if events.is_empty() && resyncs.is_empty() {
+            return true;
+        }
         self.router
             .send(RouteBatch { events, resyncs })
             .await

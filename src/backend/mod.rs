@@ -17,6 +17,7 @@
 //!   window is not appended again and returns the original cursor.
 
 pub mod memory;
+pub mod redis;
 
 use std::{ops::Range, sync::Arc};
 
@@ -26,6 +27,7 @@ use thiserror::Error;
 use crate::model::{Cursor, Epoch, EventType, Position, Target};
 
 pub use memory::MemoryBackend;
+pub use redis::RedisBackend;
 
 #[derive(Debug, Error, Clone)]
 pub enum BackendError {
@@ -98,6 +100,8 @@ pub struct TailBatch {
     pub epoch: Option<Epoch>,
     pub events: Vec<StoredEvent>,
     pub gaps: Vec<Gap>,
+    /// Entries read but not deliverable (missing or invalid fields), counted by the StreamTail.
+    pub skipped: u64,
 }
 
 /// The per-group reader a StreamTail drives. Dropping it abandons any blocked read.

@@ -14,16 +14,11 @@ pub struct ShardKeyArgs {
     pub device: String,
 }
 
-/// The Redis stream key of a shard (SPEC 3): `{prefix}:{shard}`, or `{prefix}:{g<group>}:{shard}`
-/// in cluster mode, with contiguous even group ranges.
+/// The Redis stream key of a shard (SPEC 3), as the Redis backend writes it.
 pub fn stream_key(config: &Config, shard: u32) -> String {
-    let redis = &config.redis;
-    if redis.cluster {
-        let group = u64::from(shard) * u64::from(redis.groups) / u64::from(redis.shards);
-        format!("{}:{{g{group}}}:{shard}", redis.prefix)
-    } else {
-        format!("{}:{shard}", redis.prefix)
-    }
+    crate::hub::redis_settings(config)
+        .layout()
+        .stream_key(shard)
 }
 
 pub fn run(args: ShardKeyArgs) -> Result<(), CliError> {

@@ -1,0 +1,143 @@
+//! Reading Redis replies (RESP2, the protocol our clients speak) into entries and positions.
+//!
+//! Entries come from producers we do not control. An entry missing `dev` or `data`, with an
+//! invalid device id or event type, or with a payload that is not UTF-8 text is skipped and
+//! counted; it never stops a tail or a replay.
+
+use std::sync::Arc;
+
+use fred::types::Value;
+
+use crate::{
+    backend::StoredEvent,
+    model::{EventType, Position, Target},
+};
+
+pub fn text(value: &Value) -> Option<&str> {
+    match value {
+        Value::String(text) => Some(text),
+        Value::Bytes(bytes) => std::str::from_utf8(bytes).ok(),
+        _ => None,
+    }
+}
+
+pub fn position(value: &Value) -> Option<Position> {
+    text(value)?.parse().ok()
+}
+
+/// The elements of an array reply (nothing for a nil reply).
+pub fn items(value: &Value) -> &[Value] {
+    match value {
+        Value::Array(items) => items,
+        _ => &[],
+    }
+}
+
+/// Field `name` of a flat `[name, value, name, value, ...]` reply (XINFO STREAM).
+pub fn field<'a>(reply: &'a Value, name: &str) -> Option<&'a Value> {
+    items(reply)
+        .chunks(2)
+        .find(|pair| pair.len() == 2 && text(&pair[0]) == Some(name))
+        .map(|pair| &pair[1])
+}
+
+/// Entries as read by XRANGE or one stream of an XREAD reply: `[[id, [field, value, ...]], ...]`.
+pub struct Entries {
+    pub events: Vec<StoredEvent>,
+    pub skipped: u64,
+    /// Position of the last entry, skipped or not: reading continues after it.
+    pub last: Option<Position>,
+}
+
+pub fn entries(shard: u32, reply: &Value) -> Entries {
+    let mut parsed = Entries {
+        events: Vec::new(),
+        skipped: 0,
+        last: None,
+    };
+    for entry in items(reply) {
+        let parts = items(entry);
+        let Some(position) = parts.first().and_then(position) else {
+            parsed.skipped += 1;
+            continue;
+        };
+        parsed.last = Some(position);
+        match parts
+            .get(1)
+            .and_then(|fields| event(shard, position, fields))
+        {
+            Some(event) => parsed.events.push(event),
+            None => parsed.skipped += 1,
+        }
+    }
+    parsed
+}
+
+fn event(shard: u32, position: Position, fields: &Value) -> Option<StoredEvent> {
+    let (mut dev, mut event_type, mut data) = (None, None, None);
+    for pair in items(fields).chunks(2) {
+        let [name, value] = pair else { continue };
+        match text(name) {
+            Some("dev") => dev = Some(text(value)?),
+            Some("type") => event_type = Some(text(value)?),
+            Some("data") => data = Some(text(value)?),
+            _ => {}
+        }
+    }
+    Some(StoredEvent {
+        shard,
+        position,
+        target: Target::from_field(dev?).ok()?,
+        event_type: match event_type {
+            None => EventType::message(),
+            Some(text) => EventType::parse(text).ok()?,
+        },
+        data: Arc::from(data?),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn s(text: &str) -> Value {
+        Value::String(text.into())
+    }
+
+    fn entry(id: &str, fields: &[&str]) -> Value {
+        Value::Array(vec![
+            s(id),
+            Value::Array(fields.iter().map(|f| s(f)).collect()),
+        ])
+    }
+
+    /// Valid entries become events (type defaults to `message`); bad ones are skipped and
+    /// counted, and reading still moves past them.
+    #[test]
+    fn entries_skip_what_they_cannot_deliver() {
+        let reply = Value::Array(vec![
+            entry("1-0", &["dev", "pos-1", "data", "a"]),
+            entry("1-1", &["dev", "*", "type", "t", "data", "b", "extra", "x"]),
+            entry("1-2", &["data", "no device"]),
+            entry("1-3", &["dev", "pos-1"]),
+            entry("1-4", &["dev", "bad device", "data", "x"]),
+            entry("1-5", &["dev", "pos-1", "type", "bad type", "data", "x"]),
+            Value::Array(vec![
+                s("1-6"),
+                Value::Array(vec![
+                    s("dev"),
+                    s("pos-1"),
+                    s("data"),
+                    Value::Bytes(vec![0xff, 0xfe].into()),
+                ]),
+            ]),
+        ]);
+        let parsed = entries(3, &reply);
+        assert_eq!(parsed.events.len(), 2);
+        assert_eq!(parsed.skipped, 5);
+        assert_eq!(parsed.last, Some(Position::new(1, 6)));
+        assert_eq!(parsed.events[0].event_type.as_str(), "message");
+        assert_eq!(parsed.events[1].target, Target::Broadcast);
+        assert_eq!(&*parsed.events[1].data, "b");
+    }
+}
