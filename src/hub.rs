@@ -14,7 +14,7 @@ use crate::{
         connection::HubState,
         router::Router,
         shutdown::{AttachServer, Shutdown},
-        stream_tail::StreamTail,
+        stream_tail::{SharedTailStatus, StreamTail, TailState},
     },
     backend::{
         memory::MemorySettings,
@@ -145,6 +145,10 @@ pub fn serve(config: Config) -> Result<(), ServeError> {
             tail_stops.push(address.recipient());
         }
 
+        // Serve only once every tail reads: a stream registered before its tail has fixed its
+        // starting point could miss events appended in between.
+        wait_for_tails(&tail_statuses).await?;
+
         let shutdown = Shutdown::new(
             hub.clone(),
             router.clone().recipient(),
@@ -184,6 +188,28 @@ pub fn serve(config: Config) -> Result<(), ServeError> {
         log::info!("posthorn stopped");
         Ok(())
     })
+}
+
+/// Longest wait at start-up for the tails to open.
+const TAILS_START_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+
+async fn wait_for_tails(statuses: &[SharedTailStatus]) -> Result<(), ServeError> {
+    let deadline = tokio::time::Instant::now() + TAILS_START_TIMEOUT;
+    loop {
+        let started = statuses.iter().all(|status| {
+            status.lock().unwrap_or_else(|p| p.into_inner()).state == TailState::Running
+        });
+        if started {
+            return Ok(());
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return Err(ServeError::Backend(format!(
+                "the stream tails did not start within {}s",
+                TAILS_START_TIMEOUT.as_secs()
+            )));
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
 }
 
 fn retention_of(config: &Config) -> std::time::Duration {

@@ -130,6 +130,8 @@ async fn evicted_connections_release_their_memory() {
     let hub = Hub::builder()
         .env("POSTHORN_SSE__QUEUE_LIMIT", QUEUE.to_string())
         .env("POSTHORN_SSE__SEND_BUFFER", "4096")
+        // Keep the log's own share small (150 broadcasts of 32 KB at most).
+        .env("POSTHORN_MEMORY__MAX_LEN", "150")
         .start()
         .await;
     let payload = "y".repeat(32 * 1024);
@@ -164,10 +166,12 @@ async fn evicted_connections_release_their_memory() {
         .await;
         rss.push(hub.rss_bytes());
     }
-    // The first rounds grow the allocator's working set (freed memory is kept for reuse).
+    // The first rounds grow the allocator's working set (freed memory is kept for reuse, in glibc
+    // per thread arena), so later rounds may still add some tens of MB without any leak; a leak
+    // of the evicted queues would add over 300 MB here.
     let growth = rss[ROUNDS - 1].saturating_sub(rss[ROUNDS - 5]);
     assert!(
-        growth < 40 * 1024 * 1024,
+        growth < 120 * 1024 * 1024,
         "RSS grew by {} MB over the last four rounds: {rss:?}",
         growth / (1024 * 1024)
     );

@@ -9,6 +9,7 @@
 pub mod http;
 pub mod hub;
 pub mod metrics;
+pub mod redis;
 pub mod sse;
 
 use std::net::{Ipv4Addr, TcpListener};
@@ -17,6 +18,8 @@ use std::time::Duration;
 // Shortcuts for the common case; like the rest, unused in some binaries.
 #[allow(unused_imports)]
 pub use hub::Hub;
+#[allow(unused_imports)]
+pub use redis::{RedisCluster, RedisServer, RespClient, RespValue};
 #[allow(unused_imports)]
 pub use sse::{SseClient, SseEvent, SseNext};
 

@@ -41,6 +41,8 @@ use crate::model::{Cursor, Epoch, Position, Target};
 
 /// How long start-up waits for each Redis connection.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// Longest wait for any command but the tails' blocking reads.
+const COMMAND_TIMEOUT: Duration = Duration::from_secs(5);
 
 #[derive(Debug, Clone)]
 pub struct RedisSettings {
@@ -100,6 +102,13 @@ fn build_client(config: Config) -> Result<Client, BackendError> {
             connection.connection_timeout = Duration::from_secs(5);
             connection.internal_command_timeout = Duration::from_secs(5);
             connection.tcp.nodelay = Some(true);
+            // Never re-send a command whose connection died in flight: an append script may have
+            // run already. The caller sees an error (503) and retries with its idempotency key.
+            connection.max_command_attempts = 1;
+        })
+        // During an outage a publish answers 503 after this, instead of waiting for Redis.
+        .with_performance_config(|performance| {
+            performance.default_command_timeout = COMMAND_TIMEOUT;
         })
         // fred sets no reconnect policy by default; without one an outage is permanent.
         .set_policy(ReconnectPolicy::new_exponential(0, 100, 5_000, 2))
@@ -320,8 +329,8 @@ impl Inner {
         parse_epoch(&reply)
     }
 
-    /// Head (`last-generated-id`) and `max-deleted-entry-id` of a shard's stream; zeros when the
-    /// stream does not exist (yet, or any more).
+    /// Head (`last-generated-id`) of a shard's stream and the highest position that may have been
+    /// removed from it (`ShardState::trimmed_through`); zeros when the stream does not exist.
     async fn stream_info(&self, shard: u32) -> BackendResult<(Position, Position)> {
         let group = self.layout.group_of(shard);
         let key = self.layout.stream_key(shard);
@@ -337,15 +346,7 @@ impl Inner {
                 let head = reply::field(&info, "last-generated-id")
                     .and_then(reply::position)
                     .unwrap_or_default();
-                let trimmed = reply::field(&info, "max-deleted-entry-id")
-                    .and_then(reply::position)
-                    .ok_or_else(|| {
-                        BackendError::Rejected(
-                            "XINFO STREAM lacks max-deleted-entry-id: Redis 7 or newer is required"
-                                .into(),
-                        )
-                    })?;
-                Ok((head, trimmed))
+                Ok((head, removed_through(&info, head)?))
             }
             Err(BackendError::Unavailable(message)) if message.contains("no such key") => {
                 Ok(Default::default())
@@ -455,6 +456,39 @@ impl Inner {
         }
         Ok(())
     }
+}
+
+/// What an XINFO STREAM reply says was removed: XDEL is tracked exactly (`max-deleted-entry-id`),
+/// trimming is not (Redis 7.0 does not update that field when it trims). When fewer entries remain
+/// than were ever added, everything before the first remaining entry may be gone, so its
+/// predecessor counts as removed (the whole stream, up to the head, when none remains). A cursor
+/// that is exactly the last trimmed entry is thereby reported `expired` although it missed
+/// nothing: a needless resync, never a silent gap.
+fn removed_through(info: &Value, head: Position) -> BackendResult<Position> {
+    let deleted = reply::field(info, "max-deleted-entry-id")
+        .and_then(reply::position)
+        .ok_or_else(|| {
+            BackendError::Rejected(
+                "XINFO STREAM lacks max-deleted-entry-id: Redis 7 or newer is required".into(),
+            )
+        })?;
+    let integer = |name| match reply::field(info, name) {
+        Some(Value::Integer(n)) => *n,
+        _ => 0,
+    };
+    if integer("entries-added") <= integer("length") {
+        return Ok(deleted);
+    }
+    let first = reply::field(info, "first-entry")
+        .and_then(|entry| reply::items(entry).first())
+        .and_then(reply::position);
+    let trimmed = match first {
+        Some(first) if first.seq > 0 => Position::new(first.ms, first.seq - 1),
+        Some(first) if first.ms > 0 => Position::new(first.ms - 1, u64::MAX),
+        Some(_) => Position::ZERO,
+        None => head,
+    };
+    Ok(deleted.max(trimmed))
 }
 
 fn parse_epoch(reply: &Value) -> BackendResult<Epoch> {

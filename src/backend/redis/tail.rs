@@ -5,8 +5,10 @@
 //! would skip what arrived during the outage). It keeps the last id per shard across errors, so
 //! after an outage it continues where it was. Every [`CHECK_EVERY`], and after any error, it
 //! checks the group's epoch (a new epoch: Redis lost its data, every shard gets `resync`
-//! `data_lost` and reading restarts at the current heads) and each shard's
-//! `max-deleted-entry-id` (entries trimmed before we read them: `resync` `expired`).
+//! `data_lost` and reading restarts at the current heads). After an error it also checks whether
+//! trimming removed entries it had not read (`resync` `expired`). That check is not periodic: a
+//! stream whose entries all aged out and then got a new one looks trimmed past the tail's last id
+//! although nothing was missed, and a live tail that keeps reading cannot fall behind retention.
 
 use std::{
     ops::Range,
@@ -16,7 +18,7 @@ use std::{
 
 use fred::{
     prelude::{Client, ClientLike},
-    types::{CustomCommand, Value},
+    types::{config::Options, CustomCommand, Value},
 };
 use futures_util::{future::BoxFuture, FutureExt};
 
@@ -122,12 +124,14 @@ impl RedisTail {
                 .map(|position| Value::from(position.to_string())),
         );
         let command = CustomCommand::new_static("XREAD", self.inner.hash(self.group), true);
-        let reply = match tokio::time::timeout(
-            block + READ_GRACE,
-            self.client.custom::<Value, Value>(command, args),
-        )
-        .await
-        {
+        // The client's default command timeout is shorter than a blocking read.
+        let options = Options {
+            timeout: Some(block + READ_GRACE),
+            ..Options::default()
+        };
+        let client = self.client.with_options(&options);
+        let read = client.custom::<Value, Value>(command, args);
+        let reply = match tokio::time::timeout(block + READ_GRACE, read).await {
             Ok(Ok(reply)) => reply,
             Ok(Err(error)) => return Err(unavailable(error)),
             Err(_) => {

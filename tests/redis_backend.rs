@@ -1,0 +1,423 @@
+//! Black-box tests of `backend.kind = "redis"` (issue 3) against real redis-server processes:
+//! standalone, several standalone instances, a 3-master cluster, restarts with and without
+//! persistence, external producers and two hub pods.
+
+mod support;
+
+use std::time::Duration;
+
+use serde_json::{json, Value};
+use support::{
+    http, live_stream, metrics,
+    redis::{RedisCluster, RedisServer},
+    stream_path, Hub, SseClient, SseEvent, SseNext,
+};
+
+const WAIT: Duration = Duration::from_secs(20);
+
+fn redis_hub(url: &str) -> support::hub::HubBuilder {
+    Hub::builder()
+        .env("POSTHORN_BACKEND__KIND", "redis")
+        .env("POSTHORN_REDIS__URL", url)
+        // Short blocks keep shutdown and checks quick in tests; behaviour is the same.
+        .env("POSTHORN_REDIS__BLOCK", "1s")
+}
+
+async fn publish(hub: &Hub, event: Value) -> http::HttpResponse {
+    http::post_json(hub.addr(), "/v1/events", &event).await
+}
+
+async fn publish_to(hub: &Hub, device: &str, data: &str) -> String {
+    let response = publish(
+        hub,
+        json!({ "device": device, "type": "test", "data": data }),
+    )
+    .await;
+    assert_eq!(response.status, 201, "{}", response.text());
+    response.json()["results"][0]["id"]
+        .as_str()
+        .expect("id")
+        .to_string()
+}
+
+fn resync_reason(event: &SseEvent) -> String {
+    assert_eq!(event.event, "resync", "expected a resync, got {event:?}");
+    let data: Value = serde_json::from_str(&event.data).expect("resync data is JSON");
+    data["reason"].as_str().expect("reason").to_string()
+}
+
+fn crc_shard(device: &str, shards: u32) -> u32 {
+    crc32fast::hash(device.as_bytes()) % shards
+}
+
+/// Events published over HTTP and appended by an external producer with a plain XADD reach the
+/// device in order; an entry without `dev` is skipped and counted while the tail keeps running;
+/// idempotency keys and broadcasts work on Redis.
+#[tokio::test]
+async fn standalone_delivers_published_and_external_events() {
+    let redis = RedisServer::start().await;
+    let hub = redis_hub(&redis.url()).start().await;
+    let mut client = live_stream(&hub, "pos-17").await;
+    let first = publish(
+        &hub,
+        json!({ "device": "pos-17", "type": "order.paid", "data": {"total": 5}, "key": "k-1" }),
+    )
+    .await;
+    assert_eq!(first.status, 201);
+    let again = publish(
+        &hub,
+        json!({ "device": "pos-17", "data": "retry", "key": "k-1" }),
+    )
+    .await;
+    assert_eq!(again.json()["results"][0]["duplicate"], true);
+    assert_eq!(
+        again.json()["results"][0]["id"],
+        first.json()["results"][0]["id"]
+    );
+
+    let mut redis_client = redis.client().await;
+    let key = format!("pos-ev:{}", crc_shard("pos-17", 64));
+    redis_client.xadd(&key, &[("data", "no device")]).await;
+    redis_client
+        .xadd(
+            &key,
+            &[
+                ("dev", "pos-17"),
+                ("type", "ext"),
+                ("data", "line 1\nline 2"),
+            ],
+        )
+        .await;
+    publish(&hub, json!({ "broadcast": true, "data": "to all" })).await;
+
+    let events = client.expect_events(3, WAIT).await;
+    assert_eq!(
+        events[0].id.as_deref(),
+        first.json()["results"][0]["id"].as_str()
+    );
+    assert_eq!(
+        (events[0].event.as_str(), events[0].data.as_str()),
+        ("order.paid", r#"{"total":5}"#)
+    );
+    assert_eq!(
+        (events[1].event.as_str(), events[1].data.as_str()),
+        ("ext", "line 1\nline 2")
+    );
+    assert_eq!(events[2].data, "to all");
+    assert!(matches!(
+        client.next_event(Duration::from_millis(500)).await,
+        SseNext::Timeout
+    ));
+    let scrape = metrics::scrape(hub.addr()).await;
+    assert_eq!(scrape.value("tail_entries_skipped_total", &[]), Some(1.0));
+    assert!(scrape.has_help("redis_tail_lag_seconds"));
+    // 64 broadcast copies, one per shard stream.
+    let mut copies = 0;
+    for shard in 0..64 {
+        copies += redis_client.xlen(&format!("pos-ev:{shard}")).await;
+    }
+    assert_eq!(
+        copies,
+        64 + 3,
+        "64 broadcast copies plus three entries for pos-17"
+    );
+}
+
+/// Resume replays exactly the missed events from Redis (XRANGE); a cursor older than what was
+/// trimmed gets `expired`; after FLUSHALL an old cursor gets `data_lost` and a connected client
+/// is told `data_lost` too.
+#[tokio::test]
+async fn resume_expiry_and_data_loss() {
+    let redis = RedisServer::start().await;
+    let hub = redis_hub(&redis.url()).start().await;
+    let mut client = live_stream(&hub, "pos-1").await;
+    let oldest = publish_to(&hub, "pos-1", "e1").await;
+    let cursor = publish_to(&hub, "pos-1", "e2").await;
+    client.expect_events(2, WAIT).await;
+    drop(client);
+    publish_to(&hub, "pos-1", "e3").await;
+    let head = publish_to(&hub, "pos-1", "e4").await;
+    let mut resumed = SseClient::connect(
+        hub.addr(),
+        &stream_path("pos-1"),
+        &[("Last-Event-ID", &cursor)],
+    )
+    .await;
+    let replayed: Vec<String> = resumed
+        .expect_events(2, WAIT)
+        .await
+        .into_iter()
+        .map(|e| e.data)
+        .collect();
+    assert_eq!(replayed, ["e3", "e4"]);
+    drop(resumed);
+
+    // An operator trims the stream to its last entry: e1..e3 are gone.
+    let mut redis_client = redis.client().await;
+    let key = format!("pos-ev:{}", crc_shard("pos-1", 64));
+    redis_client.cmd(&["XTRIM", &key, "MAXLEN", "1"]).await;
+    let mut expired = SseClient::connect(
+        hub.addr(),
+        &stream_path("pos-1"),
+        &[("Last-Event-ID", &oldest)],
+    )
+    .await;
+    let event = expired.expect_event(WAIT).await;
+    assert_eq!(resync_reason(&event), "expired");
+    assert_eq!(event.id.as_deref(), Some(head.as_str()));
+    drop(expired);
+
+    let mut connected = live_stream(&hub, "pos-1").await;
+    redis_client.flushall().await;
+    let event = connected.expect_event(WAIT).await;
+    assert_eq!(
+        resync_reason(&event),
+        "data_lost",
+        "a connected client learns of the loss"
+    );
+    let mut after = SseClient::connect(
+        hub.addr(),
+        &stream_path("pos-1"),
+        &[("Last-Event-ID", &head)],
+    )
+    .await;
+    assert_eq!(resync_reason(&after.expect_event(WAIT).await), "data_lost");
+    let fresh = publish_to(&hub, "pos-1", "new life").await;
+    assert_ne!(
+        fresh.split('.').next(),
+        head.split('.').next(),
+        "a new epoch after the loss"
+    );
+    assert_eq!(after.expect_event(WAIT).await.data, "new life");
+}
+
+/// Redis with AOF restarts while a publisher keeps publishing (retrying with its idempotency key
+/// until the hub answers 201): the connected client receives every event exactly once, in order,
+/// without a resync, and readiness reports the outage while it lasts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restart_with_persistence_loses_nothing() {
+    let mut redis = RedisServer::builder().appendonly(true).start().await;
+    let hub = redis_hub(&redis.url()).start().await;
+    let mut client = live_stream(&hub, "pos-7").await;
+    const EVENTS: usize = 60;
+    let mut saw_unready = false;
+    for i in 0..EVENTS {
+        if i == EVENTS / 2 {
+            redis.stop().await;
+            let ready = http::get(hub.addr(), "/readyz").await;
+            assert_eq!(ready.status, 503, "readiness must report the outage");
+            saw_unready = true;
+            redis.start_again().await;
+        }
+        let event = json!({ "device": "pos-7", "data": i.to_string(), "key": format!("seq-{i}") });
+        let deadline = tokio::time::Instant::now() + WAIT;
+        loop {
+            let response = publish(&hub, event.clone()).await;
+            if response.status == 201 {
+                break;
+            }
+            assert_eq!(response.status, 503, "{}", response.text());
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "publishing never recovered"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+    assert!(saw_unready);
+    for i in 0..EVENTS {
+        let event = client.expect_event(WAIT).await;
+        assert_eq!(event.event, "message", "no resync: {event:?}");
+        assert_eq!(event.data, i.to_string(), "gap or duplicate at {i}");
+    }
+    assert!(matches!(
+        client.next_event(Duration::from_millis(500)).await,
+        SseNext::Timeout
+    ));
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while http::get(hub.addr(), "/readyz").await.status != 200 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "readiness never came back"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let scrape = metrics::scrape(hub.addr()).await;
+    assert!(
+        scrape
+            .value("redis_tail_reconnects_total", &[("group", "0")])
+            .unwrap_or(0.0)
+            >= 1.0
+    );
+}
+
+/// A Redis restart without persistence loses the data: connected clients get `resync`
+/// `data_lost`, and so does a client that comes back with a cursor from before.
+#[tokio::test]
+async fn restart_without_persistence_gives_data_lost() {
+    let mut redis = RedisServer::start().await;
+    let hub = redis_hub(&redis.url()).start().await;
+    let mut client = live_stream(&hub, "pos-9").await;
+    let cursor = publish_to(&hub, "pos-9", "before").await;
+    client.expect_event(WAIT).await;
+    redis.restart().await;
+    assert_eq!(resync_reason(&client.expect_event(WAIT).await), "data_lost");
+    let mut back = SseClient::connect(
+        hub.addr(),
+        &stream_path("pos-9"),
+        &[("Last-Event-ID", &cursor)],
+    )
+    .await;
+    assert_eq!(resync_reason(&back.expect_event(WAIT).await), "data_lost");
+}
+
+/// With `redis.urls` shards are split evenly over the instances in order: each device's events
+/// land on the instance of its shard, and every device is served, broadcasts included.
+#[tokio::test]
+async fn several_standalone_instances_split_the_shards() {
+    let first = RedisServer::start().await;
+    let second = RedisServer::start().await;
+    let hub = Hub::builder()
+        .env("POSTHORN_BACKEND__KIND", "redis")
+        .env(
+            "POSTHORN_REDIS__URLS",
+            format!("{},{}", first.url(), second.url()),
+        )
+        .env("POSTHORN_REDIS__BLOCK", "1s")
+        .start()
+        .await;
+    // pos-17 is on shard 2 (first instance), find a device on the second half.
+    let low = "pos-17";
+    let high = (0..)
+        .map(|i| format!("dev-{i}"))
+        .find(|d| crc_shard(d, 64) >= 32)
+        .unwrap();
+    let mut low_client = live_stream(&hub, low).await;
+    let mut high_client = live_stream(&hub, &high).await;
+    publish_to(&hub, low, "low").await;
+    publish_to(&hub, &high, "high").await;
+    publish(&hub, json!({ "broadcast": true, "data": "all" })).await;
+    assert_eq!(low_client.expect_event(WAIT).await.data, "low");
+    assert_eq!(high_client.expect_event(WAIT).await.data, "high");
+    assert_eq!(low_client.expect_event(WAIT).await.data, "all");
+    assert_eq!(high_client.expect_event(WAIT).await.data, "all");
+    let low_key = format!("pos-ev:{}", crc_shard(low, 64));
+    let high_key = format!("pos-ev:{}", crc_shard(&high, 64));
+    assert_eq!(first.client().await.xlen(&low_key).await, 2);
+    assert_eq!(second.client().await.xlen(&low_key).await, 0);
+    assert_eq!(second.client().await.xlen(&high_key).await, 2);
+    assert_eq!(first.client().await.xlen(&high_key).await, 0);
+}
+
+/// On a real 3-master cluster with hash-tag groups, publishing, external producers and resume all
+/// work: every group's keys share a slot (no CROSSSLOT), whichever node owns it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_with_hash_tag_groups() {
+    let cluster = RedisCluster::start(3).await;
+    let hub = Hub::builder()
+        .env("POSTHORN_BACKEND__KIND", "redis")
+        .env("POSTHORN_REDIS__URL", cluster.seed_url())
+        .env("POSTHORN_REDIS__CLUSTER", "true")
+        .env("POSTHORN_REDIS__GROUPS", "4")
+        .env("POSTHORN_REDIS__BLOCK", "1s")
+        .start()
+        .await;
+    let devices: Vec<String> = (0..4)
+        .map(|group| {
+            (0..)
+                .map(|i| format!("c-{i}"))
+                .find(|d| crc_shard(d, 64) / 16 == group)
+                .unwrap()
+        })
+        .collect();
+    let mut clients = Vec::new();
+    for device in &devices {
+        clients.push(live_stream(&hub, device).await);
+    }
+    let mut cursors = Vec::new();
+    for device in &devices {
+        cursors.push(publish_to(&hub, device, "hub").await);
+        let shard = crc_shard(device, 64);
+        let key = format!("pos-ev:{{g{}}}:{shard}", shard / 16);
+        cluster
+            .xadd(&key, &[("dev", device.as_str()), ("data", "external")])
+            .await;
+    }
+    publish(&hub, json!({ "broadcast": true, "data": "all" })).await;
+    for client in &mut clients {
+        let data: Vec<String> = client
+            .expect_events(3, WAIT)
+            .await
+            .into_iter()
+            .map(|e| e.data)
+            .collect();
+        assert_eq!(data, ["hub", "external", "all"]);
+    }
+    drop(clients);
+    for (device, cursor) in devices.iter().zip(&cursors) {
+        let mut resumed = SseClient::connect(
+            hub.addr(),
+            &stream_path(device),
+            &[("Last-Event-ID", cursor)],
+        )
+        .await;
+        let data: Vec<String> = resumed
+            .expect_events(2, WAIT)
+            .await
+            .into_iter()
+            .map(|e| e.data)
+            .collect();
+        assert_eq!(data, ["external", "all"], "resume on {device}");
+    }
+    assert_eq!(http::get(hub.addr(), "/readyz").await.status, 200);
+    assert!(!hub.stderr_log().contains("CROSSSLOT"));
+}
+
+/// Two hub pods on one Redis: a client reads part of the stream on pod A, disconnects, and
+/// resumes on pod B from its cursor with no loss and no duplicate.
+#[tokio::test]
+async fn client_moves_between_pods_without_loss() {
+    let redis = RedisServer::start().await;
+    let pod_a = redis_hub(&redis.url()).start().await;
+    let pod_b = redis_hub(&redis.url()).start().await;
+    let mut on_a = live_stream(&pod_a, "pos-5").await;
+    for i in 0..5 {
+        publish_to(&pod_a, "pos-5", &format!("{i}")).await;
+    }
+    let seen = on_a.expect_events(3, WAIT).await;
+    let cursor = seen[2].id.clone().expect("id");
+    drop(on_a);
+    for i in 5..8 {
+        publish_to(&pod_b, "pos-5", &format!("{i}")).await;
+    }
+    let mut on_b = SseClient::connect(
+        pod_b.addr(),
+        &stream_path("pos-5"),
+        &[("Last-Event-ID", &cursor)],
+    )
+    .await;
+    let data: Vec<String> = on_b
+        .expect_events(5, WAIT)
+        .await
+        .into_iter()
+        .map(|e| e.data)
+        .collect();
+    assert_eq!(data, ["3", "4", "5", "6", "7"]);
+    publish_to(&pod_a, "pos-5", "8").await;
+    assert_eq!(on_b.expect_event(WAIT).await.data, "8");
+    assert!(matches!(
+        on_b.next_event(Duration::from_millis(500)).await,
+        SseNext::Timeout
+    ));
+}
+
+/// A hub that cannot reach Redis at start-up exits with a clear error instead of serving.
+#[tokio::test]
+async fn unreachable_redis_fails_start_up() {
+    let port = support::free_port();
+    let (code, log) = redis_hub(&format!("redis://127.0.0.1:{port}"))
+        .run_to_exit(Duration::from_secs(30))
+        .await;
+    assert_eq!(code, Some(1), "{log}");
+    assert!(log.contains("cannot start the backend"), "{log}");
+}

@@ -1,0 +1,936 @@
+//! Real Redis servers for the Redis Streams backend tests: a standalone
+//! server with optional AOF persistence that can be killed and restarted on
+//! the same port, a cluster of masters formed with `redis-cli --cluster`, and
+//! a tiny RESP2 client ([`RespClient`]) so tests can act as an external
+//! producer (XADD), inspect state (XLEN, XINFO) and reconfigure (CONFIG SET)
+//! without a Redis client crate.
+//!
+//! Each server runs `redis-server` from a fresh temporary directory holding
+//! its `redis.conf`, its data files and `redis.log`; dropping it SIGKILLs and
+//! reaps the process, prints the log tail if the test is panicking, and
+//! removes the directory (kept with `POSTHORN_TEST_KEEP_LOGS` set).
+
+use std::fs::OpenOptions;
+use std::io;
+use std::net::{Ipv4Addr, SocketAddr, TcpListener};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::time::Instant;
+
+use super::{free_port, IO_TIMEOUT};
+
+const SERVER_BIN: &str = "redis-server";
+const CLI_BIN: &str = "redis-cli";
+/// AOF replay and cluster handshakes are fast on loopback; this is only a
+/// guard against a wedged process.
+const READY_TIMEOUT: Duration = Duration::from_secs(20);
+const CLUSTER_READY_TIMEOUT: Duration = Duration::from_secs(30);
+const READY_POLL: Duration = Duration::from_millis(20);
+/// Each readiness probe must be short so an exited process is noticed quickly.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
+const LOG_TAIL_BYTES: usize = 32 * 1024;
+/// Attempts when a port from [`free_port`] was taken in the meantime.
+const PORT_ATTEMPTS: usize = 3;
+const KEEP_LOGS_VAR: &str = "POSTHORN_TEST_KEEP_LOGS";
+/// Redis Cluster listens for its node-to-node bus on the client port plus
+/// this offset, so both must be free and the sum must be a valid port.
+const CLUSTER_BUS_OFFSET: u16 = 10_000;
+pub const CLUSTER_SLOTS: u16 = 16_384;
+
+// ---------------------------------------------------------------------------
+// RESP client
+// ---------------------------------------------------------------------------
+
+/// One RESP2 reply. Redis error replies are values (`Error`), not `Err`:
+/// tests often assert on them (MOVED, WRONGTYPE, NOGROUP).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RespValue {
+    Simple(String),
+    Error(String),
+    Int(i64),
+    /// `None` is the null bulk string (`$-1`).
+    Bulk(Option<Vec<u8>>),
+    /// `None` is the null array (`*-1`), e.g. an XREAD that timed out.
+    Array(Option<Vec<RespValue>>),
+}
+
+impl RespValue {
+    /// Text of a simple string or a UTF-8 bulk string.
+    pub fn as_str(&self) -> Option<&str> {
+        match self {
+            RespValue::Simple(s) => Some(s),
+            RespValue::Bulk(Some(b)) => std::str::from_utf8(b).ok(),
+            _ => None,
+        }
+    }
+
+    pub fn as_int(&self) -> Option<i64> {
+        match self {
+            RespValue::Int(n) => Some(*n),
+            _ => None,
+        }
+    }
+
+    pub fn as_bytes(&self) -> Option<&[u8]> {
+        match self {
+            RespValue::Bulk(Some(b)) => Some(b),
+            RespValue::Simple(s) => Some(s.as_bytes()),
+            _ => None,
+        }
+    }
+
+    pub fn as_array(&self) -> Option<&[RespValue]> {
+        match self {
+            RespValue::Array(Some(items)) => Some(items),
+            _ => None,
+        }
+    }
+
+    /// The message of an error reply (without the leading `-`).
+    pub fn as_error(&self) -> Option<&str> {
+        match self {
+            RespValue::Error(e) => Some(e),
+            _ => None,
+        }
+    }
+
+    /// `+OK`.
+    pub fn is_ok(&self) -> bool {
+        matches!(self, RespValue::Simple(s) if s == "OK")
+    }
+
+    pub fn is_null(&self) -> bool {
+        matches!(self, RespValue::Bulk(None) | RespValue::Array(None))
+    }
+}
+
+/// Encodes a command as a RESP array of bulk strings, the only form Redis
+/// accepts from clients besides inline commands.
+pub fn encode_command<A: AsRef<[u8]>>(args: &[A]) -> Vec<u8> {
+    let mut out = format!("*{}\r\n", args.len()).into_bytes();
+    for arg in args {
+        let arg = arg.as_ref();
+        out.extend_from_slice(format!("${}\r\n", arg.len()).as_bytes());
+        out.extend_from_slice(arg);
+        out.extend_from_slice(b"\r\n");
+    }
+    out
+}
+
+/// Parses one reply from the front of `buf`: `Ok(None)` if it is still
+/// incomplete, otherwise the value and how many bytes it used.
+pub fn parse_reply(buf: &[u8]) -> io::Result<Option<(RespValue, usize)>> {
+    let Some(line_end) = buf.windows(2).position(|w| w == b"\r\n") else {
+        return Ok(None);
+    };
+    let line = &buf[1..line_end];
+    let after = line_end + 2;
+    let text =
+        || String::from_utf8(line.to_vec()).map_err(|_| invalid("non-UTF-8 status line".into()));
+    let number = || -> io::Result<i64> {
+        text()?
+            .parse()
+            .map_err(|_| invalid(format!("bad number {:?}", String::from_utf8_lossy(line))))
+    };
+    let value = match buf[0] {
+        b'+' => (RespValue::Simple(text()?), after),
+        b'-' => (RespValue::Error(text()?), after),
+        b':' => (RespValue::Int(number()?), after),
+        b'$' => {
+            let Ok(len) = usize::try_from(number()?) else {
+                return Ok(Some((RespValue::Bulk(None), after)));
+            };
+            let end = after + len;
+            if buf.len() < end + 2 {
+                return Ok(None);
+            }
+            if &buf[end..end + 2] != b"\r\n" {
+                return Err(invalid("bulk string not terminated by CRLF".into()));
+            }
+            (RespValue::Bulk(Some(buf[after..end].to_vec())), end + 2)
+        }
+        b'*' => {
+            let Ok(count) = usize::try_from(number()?) else {
+                return Ok(Some((RespValue::Array(None), after)));
+            };
+            let mut items = Vec::with_capacity(count.min(1024));
+            let mut pos = after;
+            for _ in 0..count {
+                let Some((item, used)) = parse_reply(&buf[pos..])? else {
+                    return Ok(None);
+                };
+                items.push(item);
+                pos += used;
+            }
+            (RespValue::Array(Some(items)), pos)
+        }
+        other => {
+            return Err(invalid(format!(
+                "unexpected RESP type byte {:?}",
+                char::from(other)
+            )))
+        }
+    };
+    Ok(Some(value))
+}
+
+fn invalid(msg: String) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, msg)
+}
+
+/// A plain RESP2 connection: one command, one reply, in order.
+#[derive(Debug)]
+pub struct RespClient {
+    stream: TcpStream,
+    addr: SocketAddr,
+    /// Bytes read past the previous reply (a reply may span reads).
+    buf: Vec<u8>,
+}
+
+impl RespClient {
+    /// Connects or panics; see [`RespClient::try_connect`].
+    pub async fn connect(addr: SocketAddr) -> RespClient {
+        Self::try_connect(addr)
+            .await
+            .unwrap_or_else(|e| panic!("connect to redis at {addr}: {e}"))
+    }
+
+    pub async fn try_connect(addr: SocketAddr) -> io::Result<RespClient> {
+        Self::try_connect_within(addr, IO_TIMEOUT).await
+    }
+
+    async fn try_connect_within(addr: SocketAddr, timeout: Duration) -> io::Result<RespClient> {
+        let stream = tokio::time::timeout(timeout, TcpStream::connect(addr))
+            .await
+            .map_err(|_| timed_out(format!("connect to {addr}")))??;
+        stream.set_nodelay(true)?;
+        Ok(RespClient {
+            stream,
+            addr,
+            buf: Vec::new(),
+        })
+    }
+
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Sends `args` as one command and returns the reply; panics on I/O
+    /// errors and timeouts (Redis error replies are returned).
+    pub async fn cmd(&mut self, args: &[&str]) -> RespValue {
+        self.try_cmd(args)
+            .await
+            .unwrap_or_else(|e| panic!("redis {} {args:?}: {e}", self.addr))
+    }
+
+    pub async fn try_cmd(&mut self, args: &[&str]) -> io::Result<RespValue> {
+        self.try_cmd_within(args, IO_TIMEOUT).await
+    }
+
+    /// Like [`RespClient::cmd`] for binary arguments (payloads that are not
+    /// UTF-8).
+    pub async fn cmd_bytes(&mut self, args: &[&[u8]]) -> RespValue {
+        let request = encode_command(args);
+        self.round_trip(&request, IO_TIMEOUT)
+            .await
+            .unwrap_or_else(|e| {
+                let shown: Vec<_> = args.iter().map(|a| String::from_utf8_lossy(a)).collect();
+                panic!("redis {} {shown:?}: {e}", self.addr)
+            })
+    }
+
+    async fn try_cmd_within(&mut self, args: &[&str], timeout: Duration) -> io::Result<RespValue> {
+        let request = encode_command(args);
+        self.round_trip(&request, timeout).await
+    }
+
+    async fn round_trip(&mut self, request: &[u8], timeout: Duration) -> io::Result<RespValue> {
+        let exchange = async {
+            self.stream.write_all(request).await?;
+            self.read_reply().await
+        };
+        tokio::time::timeout(timeout, exchange)
+            .await
+            .map_err(|_| timed_out(format!("no reply within {timeout:?}")))?
+    }
+
+    async fn read_reply(&mut self) -> io::Result<RespValue> {
+        loop {
+            if let Some((value, used)) = parse_reply(&self.buf)? {
+                self.buf.drain(..used);
+                return Ok(value);
+            }
+            self.buf.reserve(16 * 1024);
+            if self.stream.read_buf(&mut self.buf).await? == 0 {
+                return Err(io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    "redis closed the connection",
+                ));
+            }
+        }
+    }
+
+    /// `XADD key * field value ...`; returns the new entry id.
+    pub async fn xadd(&mut self, key: &str, fields: &[(&str, &str)]) -> String {
+        let reply = self.cmd(&xadd_args(key, fields)).await;
+        expect_id(&reply, self.addr)
+    }
+
+    pub async fn flushall(&mut self) {
+        let reply = self.cmd(&["FLUSHALL"]).await;
+        assert!(reply.is_ok(), "FLUSHALL on {}: {reply:?}", self.addr);
+    }
+
+    /// `XLEN key` (0 for a missing key).
+    pub async fn xlen(&mut self, key: &str) -> i64 {
+        let reply = self.cmd(&["XLEN", key]).await;
+        reply
+            .as_int()
+            .unwrap_or_else(|| panic!("XLEN {key} on {}: {reply:?}", self.addr))
+    }
+
+    /// `CLUSTER INFO` (or `INFO section`) parsed into `key:value` pairs.
+    pub async fn info_map(&mut self, args: &[&str]) -> Vec<(String, String)> {
+        let reply = self.cmd(args).await;
+        let text = reply
+            .as_str()
+            .unwrap_or_else(|| panic!("{args:?} on {}: {reply:?}", self.addr));
+        text.lines()
+            .filter_map(|l| l.split_once(':'))
+            .map(|(k, v)| (k.to_string(), v.trim().to_string()))
+            .collect()
+    }
+}
+
+fn timed_out(what: String) -> io::Error {
+    io::Error::new(io::ErrorKind::TimedOut, what)
+}
+
+fn xadd_args<'a>(key: &'a str, fields: &[(&'a str, &'a str)]) -> Vec<&'a str> {
+    let mut args = vec!["XADD", key, "*"];
+    for (field, value) in fields {
+        args.push(field);
+        args.push(value);
+    }
+    args
+}
+
+fn expect_id(reply: &RespValue, context: impl std::fmt::Display) -> String {
+    match reply {
+        RespValue::Bulk(Some(_)) => reply.as_str().expect("XADD id is ASCII").to_string(),
+        other => panic!("XADD on {context}: {other:?}"),
+    }
+}
+
+/// The target of a `-MOVED slot host:port` or `-ASK slot host:port` reply.
+/// An empty host (node without a known endpoint) means 127.0.0.1, the only
+/// address the harness binds.
+pub fn redirect_target(reply: &RespValue) -> Option<(u16, SocketAddr)> {
+    let err = reply.as_error()?;
+    let mut parts = err.split_whitespace();
+    if !matches!(parts.next(), Some("MOVED" | "ASK")) {
+        return None;
+    }
+    let slot = parts.next()?.parse().ok()?;
+    let (host, port) = parts.next()?.rsplit_once(':')?;
+    let ip = if host.is_empty() {
+        Ipv4Addr::LOCALHOST.into()
+    } else {
+        host.parse().ok()?
+    };
+    Some((slot, SocketAddr::new(ip, port.parse().ok()?)))
+}
+
+/// The cluster hash slot of `key` (CRC16/XMODEM of the hash tag if it has a
+/// non-empty `{...}`, else of the whole key, modulo 16384), so tests can
+/// choose keys per node without asking a server.
+pub fn key_slot(key: &str) -> u16 {
+    let bytes = key.as_bytes();
+    let hashed = bytes
+        .iter()
+        .position(|&b| b == b'{')
+        .and_then(|open| {
+            let close = bytes[open + 1..].iter().position(|&b| b == b'}')?;
+            (close > 0).then(|| &bytes[open + 1..open + 1 + close])
+        })
+        .unwrap_or(bytes);
+    crc16_xmodem(hashed) % CLUSTER_SLOTS
+}
+
+fn crc16_xmodem(data: &[u8]) -> u16 {
+    let mut crc: u16 = 0;
+    for &byte in data {
+        crc ^= u16::from(byte) << 8;
+        for _ in 0..8 {
+            crc = if crc & 0x8000 != 0 {
+                (crc << 1) ^ 0x1021
+            } else {
+                crc << 1
+            };
+        }
+    }
+    crc
+}
+
+// ---------------------------------------------------------------------------
+// Standalone server
+// ---------------------------------------------------------------------------
+
+/// Configures a [`RedisServer`].
+#[derive(Debug, Clone, Default)]
+pub struct RedisBuilder {
+    appendonly: bool,
+    cluster: bool,
+    config: Vec<(String, String)>,
+}
+
+impl RedisBuilder {
+    /// AOF persistence with `appendfsync always`, so every acknowledged
+    /// write survives a SIGKILL.
+    pub fn appendonly(mut self, on: bool) -> Self {
+        self.appendonly = on;
+        self
+    }
+
+    /// An extra `redis.conf` directive, e.g. `.config("maxmemory", "10mb")`.
+    /// The value is written verbatim (quote it yourself if it needs quotes).
+    pub fn config(mut self, directive: impl Into<String>, value: impl Into<String>) -> Self {
+        self.config.push((directive.into(), value.into()));
+        self
+    }
+
+    /// Starts the server on a free port and waits until it answers PING;
+    /// panics (with the log) if it exits or is not ready in time.
+    pub async fn start(self) -> RedisServer {
+        let mut server = RedisServer {
+            child: None,
+            last_exit: None,
+            last_pid: None,
+            port: 0,
+            dir: unique_dir(),
+            builder: self,
+        };
+        for attempt in 1..=PORT_ATTEMPTS {
+            server.port = if server.builder.cluster {
+                free_cluster_port()
+            } else {
+                free_port()
+            };
+            server.write_config();
+            server.spawn(attempt == 1);
+            match server.wait_ready().await {
+                Ok(()) => return server,
+                Err(status) => {
+                    let log = server.log();
+                    if log.contains("Address already in use") && attempt < PORT_ATTEMPTS {
+                        continue;
+                    }
+                    // Drop prints the log tail while this panic unwinds.
+                    panic!(
+                        "redis-server exited before answering PING on port {} ({status})",
+                        server.port
+                    );
+                }
+            }
+        }
+        unreachable!("the last attempt returns or panics")
+    }
+}
+
+/// A `redis-server` process. Dropping it SIGKILLs and reaps the process and
+/// removes its directory.
+#[derive(Debug)]
+pub struct RedisServer {
+    /// `None` while stopped (see [`RedisServer::stop`]).
+    child: Option<Child>,
+    /// For the log banner in Drop, after the child is gone.
+    last_exit: Option<ExitStatus>,
+    last_pid: Option<u32>,
+    port: u16,
+    dir: PathBuf,
+    builder: RedisBuilder,
+}
+
+impl RedisServer {
+    pub fn builder() -> RedisBuilder {
+        RedisBuilder::default()
+    }
+
+    /// A standalone server without persistence.
+    pub async fn start() -> RedisServer {
+        Self::builder().start().await
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    pub fn addr(&self) -> SocketAddr {
+        SocketAddr::from((Ipv4Addr::LOCALHOST, self.port))
+    }
+
+    /// `redis://127.0.0.1:PORT`, the form the hub's configuration takes.
+    pub fn url(&self) -> String {
+        format!("redis://{}", self.addr())
+    }
+
+    /// Working directory: `redis.conf`, `redis.log`, AOF and cluster files.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    pub fn log_path(&self) -> PathBuf {
+        self.dir.join("redis.log")
+    }
+
+    /// Everything the server wrote so far, across restarts.
+    pub fn log(&self) -> String {
+        std::fs::read(self.log_path())
+            .map(|b| String::from_utf8_lossy(&b).into_owned())
+            .unwrap_or_default()
+    }
+
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
+    pub fn is_running(&mut self) -> bool {
+        match &mut self.child {
+            Some(child) => child
+                .try_wait()
+                .expect("try_wait on redis-server")
+                .is_none(),
+            None => false,
+        }
+    }
+
+    pub async fn client(&self) -> RespClient {
+        RespClient::connect(self.addr()).await
+    }
+
+    /// SIGKILLs the server and starts it again on the same port and
+    /// directory: with AOF the data survives, without it the data is gone.
+    /// Returns once it answers PING (after loading the AOF).
+    pub async fn restart(&mut self) {
+        self.stop().await;
+        self.start_again().await;
+    }
+
+    /// SIGKILLs and reaps the server; the port is free until
+    /// [`RedisServer::start_again`].
+    pub async fn stop(&mut self) {
+        self.kill();
+    }
+
+    /// Starts a stopped server on its old port and directory and waits for
+    /// PING; panics if the port was taken in the meantime.
+    pub async fn start_again(&mut self) {
+        assert!(
+            self.child.is_none(),
+            "redis-server on port {} is still running; stop() it first",
+            self.port
+        );
+        self.spawn(false);
+        if let Err(status) = self.wait_ready().await {
+            panic!(
+                "redis-server did not come back on port {} ({status})",
+                self.port
+            );
+        }
+    }
+
+    /// SIGKILL and reap (no-op while stopped).
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            self.last_exit = child.wait().ok();
+        }
+    }
+
+    fn write_config(&self) {
+        let b = &self.builder;
+        let mut conf = format!(
+            "port {port}\n\
+             bind 127.0.0.1\n\
+             dir {dir:?}\n\
+             daemonize no\n\
+             # stdout, which goes to redis.log\n\
+             logfile \"\"\n\
+             save \"\"\n\
+             appendonly {aof}\n\
+             appendfsync always\n\
+             # DEBUG SLEEP and friends let tests simulate a stalled server\n\
+             enable-debug-command local\n",
+            port = self.port,
+            dir = self.dir.display().to_string(),
+            aof = if b.appendonly { "yes" } else { "no" },
+        );
+        if b.cluster {
+            conf.push_str(
+                "cluster-enabled yes\n\
+                 cluster-config-file nodes.conf\n\
+                 cluster-node-timeout 5000\n",
+            );
+        }
+        for (directive, value) in &b.config {
+            conf.push_str(&format!("{directive} {value}\n"));
+        }
+        let path = self.dir.join("redis.conf");
+        std::fs::write(&path, conf).unwrap_or_else(|e| panic!("write {}: {e}", path.display()));
+    }
+
+    /// `fresh_log` truncates the log, so a retried port race does not leave
+    /// the previous attempt's "Address already in use" behind.
+    fn spawn(&mut self, fresh_log: bool) {
+        let log_path = self.log_path();
+        let log = OpenOptions::new()
+            .create(true)
+            .write(true)
+            .append(!fresh_log)
+            .truncate(fresh_log)
+            .open(&log_path)
+            .unwrap_or_else(|e| panic!("open {}: {e}", log_path.display()));
+        let log_dup = log.try_clone().expect("clone log file handle");
+        let child = Command::new(binary(SERVER_BIN))
+            .arg(self.dir.join("redis.conf"))
+            .current_dir(&self.dir)
+            .stdin(Stdio::null())
+            .stdout(log_dup)
+            .stderr(log)
+            .spawn()
+            .unwrap_or_else(|e| panic!("spawn {SERVER_BIN}: {e}"));
+        self.last_pid = Some(child.id());
+        self.last_exit = None;
+        self.child = Some(child);
+    }
+
+    /// Polls PING until `+PONG` (not `-LOADING` while the AOF replays);
+    /// `Err` with the exit status if the process exits first.
+    async fn wait_ready(&mut self) -> Result<(), ExitStatus> {
+        let deadline = Instant::now() + READY_TIMEOUT;
+        loop {
+            let child = self.child.as_mut().expect("wait_ready on a started server");
+            if let Some(status) = child.try_wait().expect("try_wait on redis-server") {
+                self.child = None;
+                self.last_exit = Some(status);
+                return Err(status);
+            }
+            let last = match ping(self.addr()).await {
+                Ok(RespValue::Simple(s)) if s == "PONG" => return Ok(()),
+                Ok(other) => format!("{other:?}"),
+                Err(e) => e.to_string(),
+            };
+            if Instant::now() >= deadline {
+                self.kill();
+                panic!(
+                    "redis-server not ready on {} after {READY_TIMEOUT:?} (last probe: {last})",
+                    self.addr()
+                );
+            }
+            tokio::time::sleep(READY_POLL).await;
+        }
+    }
+}
+
+async fn ping(addr: SocketAddr) -> io::Result<RespValue> {
+    let mut client = RespClient::try_connect_within(addr, PROBE_TIMEOUT).await?;
+    client.try_cmd_within(&["PING"], PROBE_TIMEOUT).await
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        self.kill();
+        if std::thread::panicking() {
+            let log = self.log();
+            let tail = &log[floor_char_boundary(&log, log.len().saturating_sub(LOG_TAIL_BYTES))..];
+            let exit = self
+                .last_exit
+                .map_or_else(|| "unknown".to_string(), |s| s.to_string());
+            eprintln!(
+                "--- redis-server {} log {} (pid {:?}, {exit}) ---\n{tail}\n--- end of redis-server log ---",
+                self.addr(),
+                self.log_path().display(),
+                self.last_pid,
+            );
+        }
+        if std::env::var_os(KEEP_LOGS_VAR).is_some() {
+            eprintln!("redis-server directory kept at {}", self.dir.display());
+        } else {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
+}
+
+fn floor_char_boundary(s: &str, mut i: usize) -> usize {
+    while !s.is_char_boundary(i) {
+        i -= 1;
+    }
+    i
+}
+
+fn unique_dir() -> PathBuf {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or_default();
+    let dir =
+        std::env::temp_dir().join(format!("posthorn-redis-{}-{n}-{nanos}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("create {}: {e}", dir.display()));
+    dir
+}
+
+/// Resolves a Redis binary on PATH (or /usr/sbin, which a non-root PATH
+/// may lack). A missing binary is always a panic: a Redis test that passes
+/// without Redis proves nothing.
+fn binary(name: &str) -> PathBuf {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    let found = std::env::split_paths(&path)
+        .chain([PathBuf::from("/usr/sbin"), PathBuf::from("/usr/local/bin")])
+        .map(|dir| dir.join(name))
+        .find(|candidate| candidate.is_file());
+    match found {
+        Some(path) => path,
+        None if std::env::var("CI").as_deref() == Ok("true") => {
+            panic!("{name} not found; scripts/test installs it")
+        }
+        None => panic!(
+            "{name} not found on PATH; install Debian packages redis-server and redis-tools \
+             (scripts/test does it)"
+        ),
+    }
+}
+
+fn port_is_free(port: u16) -> bool {
+    TcpListener::bind((Ipv4Addr::LOCALHOST, port)).is_ok()
+}
+
+/// A free port whose cluster bus port (port + 10000) is free and valid too.
+fn free_cluster_port() -> u16 {
+    for _ in 0..200 {
+        let port = free_port();
+        if port < u16::MAX - CLUSTER_BUS_OFFSET && port_is_free(port + CLUSTER_BUS_OFFSET) {
+            return port;
+        }
+    }
+    panic!("no free port P below 55535 with P+10000 free after 200 tries")
+}
+
+// ---------------------------------------------------------------------------
+// Cluster
+// ---------------------------------------------------------------------------
+
+/// A Redis Cluster of masters only (no replicas), every slot assigned.
+/// Dropping it kills every node.
+#[derive(Debug)]
+pub struct RedisCluster {
+    nodes: Vec<RedisServer>,
+}
+
+impl RedisCluster {
+    /// Starts `masters` cluster-enabled servers, splits the 16384 slots
+    /// between them (with `redis-cli --cluster create` from 3 masters on,
+    /// which refuses fewer; by hand below that) and waits until every node
+    /// reports `cluster_state:ok`.
+    pub async fn start(masters: usize) -> RedisCluster {
+        assert!(masters >= 1, "a cluster needs at least one master");
+        let mut nodes = Vec::with_capacity(masters);
+        for _ in 0..masters {
+            let builder = RedisBuilder {
+                cluster: true,
+                ..RedisBuilder::default()
+            };
+            nodes.push(builder.start().await);
+        }
+        let cluster = RedisCluster { nodes };
+        if masters >= 3 {
+            cluster.create_with_redis_cli().await;
+        } else {
+            cluster.create_by_hand().await;
+        }
+        cluster.wait_ok().await;
+        cluster
+    }
+
+    async fn create_with_redis_cli(&self) {
+        let mut cmd = tokio::process::Command::new(binary(CLI_BIN));
+        cmd.args(["--cluster", "create"])
+            .args(self.nodes().iter().map(ToString::to_string))
+            .args(["--cluster-replicas", "0", "--cluster-yes"])
+            .stdin(Stdio::null())
+            .kill_on_drop(true);
+        let output = tokio::time::timeout(CLUSTER_READY_TIMEOUT, cmd.output())
+            .await
+            .unwrap_or_else(|_| {
+                panic!("redis-cli --cluster create hung for {CLUSTER_READY_TIMEOUT:?}")
+            })
+            .unwrap_or_else(|e| panic!("run {CLI_BIN}: {e}"));
+        assert!(
+            output.status.success(),
+            "redis-cli --cluster create failed ({}):\n{}\n{}",
+            output.status,
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr),
+        );
+    }
+
+    /// What `redis-cli --cluster create` does, for 1 or 2 masters: contiguous
+    /// slot ranges, distinct config epochs (so no epoch collision has to be
+    /// resolved), then every node meets the first.
+    async fn create_by_hand(&self) {
+        let n = self.nodes.len();
+        let first = self.nodes[0].addr();
+        for (i, node) in self.nodes.iter().enumerate() {
+            let mut client = node.client().await;
+            let lo = usize::from(CLUSTER_SLOTS) * i / n;
+            let hi = usize::from(CLUSTER_SLOTS) * (i + 1) / n - 1;
+            let reply = client
+                .cmd(&["CLUSTER", "ADDSLOTSRANGE", &lo.to_string(), &hi.to_string()])
+                .await;
+            assert!(
+                reply.is_ok(),
+                "CLUSTER ADDSLOTSRANGE on {}: {reply:?}",
+                node.addr()
+            );
+            let epoch = (i + 1).to_string();
+            let reply = client.cmd(&["CLUSTER", "SET-CONFIG-EPOCH", &epoch]).await;
+            assert!(
+                reply.is_ok(),
+                "CLUSTER SET-CONFIG-EPOCH on {}: {reply:?}",
+                node.addr()
+            );
+            if i > 0 {
+                let reply = client
+                    .cmd(&[
+                        "CLUSTER",
+                        "MEET",
+                        &first.ip().to_string(),
+                        &first.port().to_string(),
+                    ])
+                    .await;
+                assert!(reply.is_ok(), "CLUSTER MEET on {}: {reply:?}", node.addr());
+            }
+        }
+    }
+
+    /// Waits until every node says `cluster_state:ok`, knows every other
+    /// node and sees all slots assigned; panics with the last CLUSTER INFO
+    /// otherwise.
+    pub async fn wait_ok(&self) {
+        let deadline = Instant::now() + CLUSTER_READY_TIMEOUT;
+        let want_nodes = self.nodes.len().to_string();
+        let want_slots = CLUSTER_SLOTS.to_string();
+        'poll: loop {
+            for node in &self.nodes {
+                let info = node.client().await.info_map(&["CLUSTER", "INFO"]).await;
+                let get = |k: &str| {
+                    info.iter()
+                        .find(|(key, _)| key == k)
+                        .map(|(_, v)| v.as_str())
+                };
+                let ok = get("cluster_state") == Some("ok")
+                    && get("cluster_known_nodes") == Some(want_nodes.as_str())
+                    && get("cluster_slots_assigned") == Some(want_slots.as_str());
+                if !ok {
+                    if Instant::now() >= deadline {
+                        panic!(
+                            "cluster node {} not ok after {CLUSTER_READY_TIMEOUT:?}: {info:?}",
+                            node.addr()
+                        );
+                    }
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue 'poll;
+                }
+            }
+            return;
+        }
+    }
+
+    /// `redis://` URL of the first node; cluster clients discover the rest.
+    pub fn seed_url(&self) -> String {
+        self.nodes[0].url()
+    }
+
+    pub fn nodes(&self) -> Vec<SocketAddr> {
+        self.nodes.iter().map(RedisServer::addr).collect()
+    }
+
+    /// One node, e.g. to [`RedisServer::stop`] it.
+    pub fn node(&self, i: usize) -> &RedisServer {
+        &self.nodes[i]
+    }
+
+    pub fn node_mut(&mut self, i: usize) -> &mut RedisServer {
+        &mut self.nodes[i]
+    }
+
+    /// The node that owns `key`'s slot, per `CLUSTER SLOTS` on the first
+    /// node.
+    pub async fn owner_of(&self, key: &str) -> SocketAddr {
+        let seed = self.nodes[0].addr();
+        let mut client = RespClient::connect(seed).await;
+        let reply = client.cmd(&["CLUSTER", "KEYSLOT", key]).await;
+        let slot = reply
+            .as_int()
+            .unwrap_or_else(|| panic!("CLUSTER KEYSLOT {key} on {seed}: {reply:?}"));
+        let slots = client.cmd(&["CLUSTER", "SLOTS"]).await;
+        let ranges = slots
+            .as_array()
+            .unwrap_or_else(|| panic!("CLUSTER SLOTS on {seed}: {slots:?}"));
+        for range in ranges {
+            let r = range.as_array().expect("CLUSTER SLOTS entry is an array");
+            let (Some(lo), Some(hi)) = (r[0].as_int(), r[1].as_int()) else {
+                panic!("CLUSTER SLOTS entry without a range: {range:?}");
+            };
+            if (lo..=hi).contains(&slot) {
+                let master = r[2].as_array().expect("CLUSTER SLOTS master is an array");
+                let host = master[0].as_str().unwrap_or_default();
+                let ip = if host.is_empty() {
+                    Ipv4Addr::LOCALHOST.into()
+                } else {
+                    host.parse()
+                        .unwrap_or_else(|e| panic!("CLUSTER SLOTS host {host:?}: {e}"))
+                };
+                let port = master[1].as_int().expect("CLUSTER SLOTS port");
+                return SocketAddr::new(ip, u16::try_from(port).expect("port fits u16"));
+            }
+        }
+        panic!("slot {slot} of {key} is not assigned: {slots:?}")
+    }
+
+    /// A connection to the node owning `key`.
+    pub async fn client_for_key(&self, key: &str) -> RespClient {
+        RespClient::connect(self.owner_of(key).await).await
+    }
+
+    /// Runs `args` on the owner of `key`; if the slot moved meanwhile, follows
+    /// one `-MOVED` redirect.
+    pub async fn cmd_for_key(&self, key: &str, args: &[&str]) -> RespValue {
+        let mut client = self.client_for_key(key).await;
+        let reply = client.cmd(args).await;
+        let moved = reply.as_error().is_some_and(|e| e.starts_with("MOVED "));
+        match redirect_target(&reply) {
+            Some((_, target)) if moved => RespClient::connect(target).await.cmd(args).await,
+            _ => reply,
+        }
+    }
+
+    /// `XADD key * fields...` on the node owning `key`; returns the id.
+    pub async fn xadd(&self, key: &str, fields: &[(&str, &str)]) -> String {
+        let reply = self.cmd_for_key(key, &xadd_args(key, fields)).await;
+        expect_id(&reply, format_args!("the cluster, key {key}"))
+    }
+
+    /// `FLUSHALL` on every node (each only holds its own slots' keys).
+    pub async fn flushall(&self) {
+        for node in &self.nodes {
+            node.client().await.flushall().await;
+        }
+    }
+}
