@@ -3,6 +3,7 @@
 //! ```text
 //! baseline idle   ADDR CONNECTIONS SERVER_PID      # RSS per idle connection
 //! baseline fanout ADDR CONNECTIONS RATE SECONDS SIZE  # paced broadcasts: deliveries/s, loss
+//! baseline latency ADDR REDIS_ADDR CONNECTIONS RATE SECONDS  # XADD -> SSE bytes, unicast
 //! ```
 //! Loopback targets only; client sockets are spread over 127.0.0.2.. so that more than one
 //! source address's worth of ephemeral ports is available. Every phase is bounded in time.
@@ -185,10 +186,153 @@ async fn fanout(addr: SocketAddr, connections: usize, rate: u64, seconds: u64, s
     );
 }
 
+fn now_micros() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_micros() as u64)
+        .unwrap_or(0)
+}
+
+/// Reads a stream and records, per `data: <send time in µs>` line, now minus that time.
+async fn record_latencies(
+    mut stream: TcpStream,
+    expected: usize,
+    samples: Arc<std::sync::Mutex<Vec<u64>>>,
+) {
+    let mut buf = vec![0u8; 64 * 1024];
+    let mut pending: Vec<u8> = Vec::new();
+    let mut seen = 0;
+    while seen < expected {
+        let n = match stream.read(&mut buf).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => n,
+        };
+        let now = now_micros();
+        pending.extend_from_slice(&buf[..n]);
+        let mut start = 0;
+        let mut local = Vec::new();
+        while let Some(end) = pending[start..].iter().position(|b| *b == b'\n') {
+            let line = &pending[start..start + end];
+            if let Some(value) = line.strip_prefix(b"data: ") {
+                if let Some(sent) = std::str::from_utf8(value)
+                    .ok()
+                    .and_then(|v| v.parse::<u64>().ok())
+                {
+                    local.push(now.saturating_sub(sent));
+                    seen += 1;
+                }
+            }
+            start += end + 1;
+        }
+        pending.drain(..start);
+        samples.lock().unwrap().extend(local);
+    }
+}
+
+fn resp_command(args: &[&[u8]]) -> Vec<u8> {
+    let mut out = format!("*{}\r\n", args.len()).into_bytes();
+    for arg in args {
+        out.extend_from_slice(format!("${}\r\n", arg.len()).as_bytes());
+        out.extend_from_slice(arg);
+        out.extend_from_slice(b"\r\n");
+    }
+    out
+}
+
+/// Unicast events appended straight to Redis (as an external producer would, `XADD ... MINID ~`
+/// not needed for a short run) at `rate` per second, round robin over `connections` devices.
+async fn latency(addr: SocketAddr, redis: SocketAddr, connections: usize, rate: u64, seconds: u64) {
+    assert!(
+        redis.ip().is_loopback(),
+        "baseline only targets loopback addresses"
+    );
+    let devices: Vec<String> = (0..connections).map(|i| format!("lat-{i}")).collect();
+    let events = (rate * seconds) as usize;
+    let per_device = events / connections;
+    let mut streams = Vec::with_capacity(connections);
+    for chunk in (0..connections).collect::<Vec<_>>().chunks(500) {
+        streams.extend(
+            futures_util::future::join_all(
+                chunk
+                    .iter()
+                    .map(|&i| open_stream(addr, i, devices[i].clone())),
+            )
+            .await,
+        );
+    }
+    let samples = Arc::new(std::sync::Mutex::new(Vec::with_capacity(events)));
+    let readers: Vec<_> = streams
+        .into_iter()
+        .map(|stream| tokio::spawn(record_latencies(stream, per_device, samples.clone())))
+        .collect();
+    let keys: Vec<String> = devices
+        .iter()
+        .map(|d| format!("pos-ev:{}", crc32fast::hash(d.as_bytes()) % 64))
+        .collect();
+    let mut producer = TcpStream::connect(redis).await.expect("connect redis");
+    producer.set_nodelay(true).expect("nodelay");
+    let started = Instant::now();
+    let tick = Duration::from_millis(5);
+    let mut next = tokio::time::Instant::now();
+    let mut sent = 0usize;
+    let mut reply = vec![0u8; 64 * 1024];
+    while sent < per_device * connections {
+        next += tick;
+        tokio::time::sleep_until(next).await;
+        let due = ((started.elapsed().as_secs_f64() * rate as f64) as usize)
+            .min(per_device * connections);
+        let mut batch = Vec::new();
+        for i in sent..due {
+            let device = i % connections;
+            let stamp = now_micros().to_string();
+            batch.extend(resp_command(&[
+                b"XADD",
+                keys[device].as_bytes(),
+                b"*",
+                b"dev",
+                devices[device].as_bytes(),
+                b"data",
+                stamp.as_bytes(),
+            ]));
+        }
+        producer.write_all(&batch).await.expect("xadd");
+        // One bulk-string reply (two CRLFs) per XADD.
+        let mut crlfs = 0;
+        while crlfs < 2 * (due - sent) {
+            let n = producer.read(&mut reply).await.expect("xadd reply");
+            crlfs += reply[..n].windows(2).filter(|w| w == b"\r\n").count();
+        }
+        sent = due;
+    }
+    let limit = Instant::now() + Duration::from_secs(10);
+    while samples.lock().unwrap().len() < sent && Instant::now() < limit {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    for reader in readers {
+        reader.abort();
+    }
+    let mut all = samples.lock().unwrap().clone();
+    all.sort_unstable();
+    let pick = |q: f64| {
+        all.get(((all.len() as f64 * q) as usize).min(all.len().saturating_sub(1)))
+            .copied()
+            .unwrap_or(0) as f64
+            / 1000.0
+    };
+    println!(
+        "latency: {rate} unicast XADD/s for {seconds}s over {connections} connections: {}/{sent} delivered; XADD -> SSE bytes p50 {:.2} ms, p99 {:.2} ms, p99.9 {:.2} ms, max {:.2} ms",
+        all.len(), pick(0.5), pick(0.99), pick(0.999), pick(1.0)
+    );
+    println!(
+        "{{\"scenario\":\"latency\",\"connections\":{connections},\"rate\":{rate},\"seconds\":{seconds},\"sent\":{sent},\"delivered\":{},\"p50_ms\":{:.3},\"p99_ms\":{:.3},\"p999_ms\":{:.3},\"max_ms\":{:.3}}}",
+        all.len(), pick(0.5), pick(0.99), pick(0.999), pick(1.0)
+    );
+}
+
 #[tokio::main]
 async fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let usage = "usage: baseline idle ADDR CONNECTIONS SERVER_PID | baseline fanout ADDR CONNECTIONS RATE SECONDS SIZE";
+    let usage = "usage: baseline idle ADDR CONNECTIONS SERVER_PID | baseline fanout ADDR CONNECTIONS RATE SECONDS SIZE | baseline latency ADDR REDIS_ADDR CONNECTIONS RATE SECONDS";
     let addr: SocketAddr = args.get(1).and_then(|a| a.parse().ok()).expect(usage);
     assert!(
         addr.ip().is_loopback(),
@@ -198,6 +342,10 @@ async fn main() {
     let work = async {
         match args.first().map(String::as_str) {
             Some("idle") => idle(addr, number(2) as usize, number(3) as u32).await,
+            Some("latency") => {
+                let redis: SocketAddr = args.get(2).and_then(|a| a.parse().ok()).expect(usage);
+                latency(addr, redis, number(3) as usize, number(4), number(5)).await
+            }
             Some("fanout") => {
                 fanout(
                     addr,

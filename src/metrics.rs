@@ -3,7 +3,8 @@
 //! device ids, so cardinality is fixed. Hot-path counters are resolved to their label once.
 
 use prometheus::{
-    Encoder, Gauge, GaugeVec, IntCounter, IntCounterVec, IntGauge, Opts, Registry, TextEncoder,
+    Encoder, Gauge, GaugeVec, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
+    Opts, Registry, TextEncoder,
 };
 
 use crate::actors::close_reason::{CloseReason, ResyncReason};
@@ -69,6 +70,7 @@ pub struct Metrics {
     sse_resyncs: IntCounterVec,
     tail_lag_seconds: GaugeVec,
     tail_reconnects: IntCounterVec,
+    tail_batch_events: HistogramVec,
     pub tail_entries_skipped: IntCounter,
     router_events: [IntCounter; 4],
     publish_events: IntCounterVec,
@@ -162,6 +164,17 @@ impl Metrics {
             "times a stream tail re-established its backend connection, per node group",
             "group",
         );
+        let tail_batch_events = HistogramVec::new(
+            HistogramOpts::new(
+                format!("{backend_kind}_tail_batch_events"),
+                "entries per non-empty read of a stream tail, per node group",
+            )
+            .buckets(vec![1.0, 5.0, 20.0, 100.0, 500.0, 2000.0]),
+            &["group"],
+        )
+        .expect("metric names are static and valid");
+        r.register(Box::new(tail_batch_events.clone()))
+            .expect("each metric is registered once");
         let drain_duration_seconds = Gauge::new(
             "drain_duration_seconds",
             "duration of the last completed drain (0 before any drain)",
@@ -209,6 +222,7 @@ impl Metrics {
             sse_resyncs,
             tail_lag_seconds,
             tail_reconnects,
+            tail_batch_events,
             tail_entries_skipped: counter(
                 r,
                 "tail_entries_skipped_total",
@@ -253,6 +267,12 @@ impl Metrics {
         self.tail_lag_seconds
             .with_label_values(&[&group.to_string()])
             .set(seconds);
+    }
+
+    pub fn tail_batch(&self, group: usize, events: usize) {
+        self.tail_batch_events
+            .with_label_values(&[&group.to_string()])
+            .observe(events as f64);
     }
 
     pub fn tail_reconnected(&self, group: usize) {

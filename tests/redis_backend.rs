@@ -421,3 +421,75 @@ async fn unreachable_redis_fails_start_up() {
     assert_eq!(code, Some(1), "{log}");
     assert!(log.contains("cannot start the backend"), "{log}");
 }
+
+/// SIGTERM ends the hub promptly although its tail is blocked in a 30 s XREAD: stopping a tail
+/// abandons the blocked read instead of waiting for the block timeout.
+#[tokio::test]
+async fn shutdown_does_not_wait_for_a_blocked_read() {
+    let redis = RedisServer::start().await;
+    let mut hub = Hub::builder()
+        .env("POSTHORN_BACKEND__KIND", "redis")
+        .env("POSTHORN_REDIS__URL", redis.url())
+        .env("POSTHORN_REDIS__BLOCK", "30s")
+        .start()
+        .await;
+    // Let the tail enter its blocking read.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let started = std::time::Instant::now();
+    hub.signal("TERM");
+    let status = hub
+        .wait_exit(Duration::from_secs(20))
+        .await
+        .expect("the hub exits");
+    assert_eq!(status.code(), Some(0));
+    // Shutdown itself waits at most the 2 s server shutdown timeout; 30 s would mean the read
+    // was awaited.
+    assert!(
+        started.elapsed() < Duration::from_secs(15),
+        "took {:?}",
+        started.elapsed()
+    );
+}
+
+/// Streams written only by an external producer that never trims stay bounded: the hub's
+/// periodic trim applies `redis.max_len` and `redis.retention` to every shard of its group.
+#[tokio::test]
+async fn periodic_trim_bounds_external_streams() {
+    // One entry per stream node, so `~` trimming is exact enough to observe.
+    let redis = RedisServer::builder()
+        .config("stream-node-max-entries", "1")
+        .start()
+        .await;
+    let hub = Hub::builder()
+        .env("POSTHORN_BACKEND__KIND", "redis")
+        .env("POSTHORN_REDIS__URL", redis.url())
+        .env("POSTHORN_REDIS__BLOCK", "1s")
+        .env("POSTHORN_REDIS__MAX_LEN", "5")
+        // Retention 2 s: the trim runs every second (retention / 2, at least 1 s).
+        .env("POSTHORN_REDIS__RETENTION", "2s")
+        .start()
+        .await;
+    let mut client = redis.client().await;
+    for i in 0..40 {
+        client
+            .xadd("pos-ev:3", &[("dev", "x-1"), ("data", &i.to_string())])
+            .await;
+    }
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while client.xlen("pos-ev:3").await > 5 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "length cap never applied"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    // Then age: everything is older than the retention after a few seconds.
+    while client.xlen("pos-ev:3").await > 0 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "retention never applied"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    drop(hub);
+}

@@ -279,6 +279,9 @@ impl TailLoop {
         }
         let newest_ms = events.iter().map(|event| event.position.ms).max();
         let count = events.len() as u64;
+        if count > 0 {
+            self.metrics.tail_batch(self.group, events.len());
+        }
         let events = match &epoch {
             Some(epoch) => events
                 .into_iter()
