@@ -4,6 +4,7 @@
 //! baseline idle   ADDR CONNECTIONS SERVER_PID      # RSS per idle connection
 //! baseline fanout ADDR CONNECTIONS RATE SECONDS SIZE  # paced broadcasts: deliveries/s, loss
 //! baseline latency ADDR REDIS_ADDR CONNECTIONS RATE SECONDS  # XADD -> SSE bytes, unicast
+//! baseline drain  ADDR CONNECTIONS SERVER_PID      # drain: total time, close rate, retry spread
 //! ```
 //! Loopback targets only; client sockets are spread over 127.0.0.2.. so that more than one
 //! source address's worth of ephemeral ports is available. Every phase is bounded in time.
@@ -329,10 +330,101 @@ async fn latency(addr: SocketAddr, redis: SocketAddr, connections: usize, rate: 
     );
 }
 
+/// Reads until the server closes; returns when that happened (since `started`) and the last
+/// `retry:` value seen.
+async fn until_closed(mut stream: TcpStream, started: Instant) -> (Duration, Option<u64>) {
+    let mut buf = vec![0u8; 16 * 1024];
+    let mut tail: Vec<u8> = Vec::new();
+    loop {
+        match stream.read(&mut buf).await {
+            Ok(0) | Err(_) => break,
+            Ok(n) => {
+                tail.extend_from_slice(&buf[..n]);
+                let keep = tail.len().saturating_sub(256);
+                tail.drain(..keep);
+            }
+        }
+    }
+    let closed = started.elapsed();
+    let text = String::from_utf8_lossy(&tail);
+    let retry = text
+        .rfind("retry: ")
+        .and_then(|at| text[at + 7..].split('\n').next())
+        .and_then(|value| value.trim().parse().ok());
+    (closed, retry)
+}
+
+async fn drain(addr: SocketAddr, connections: usize, pid: u32) {
+    let mut streams = Vec::with_capacity(connections);
+    for chunk in (0..connections).collect::<Vec<_>>().chunks(500) {
+        streams.extend(
+            futures_util::future::join_all(
+                chunk
+                    .iter()
+                    .map(|&i| open_stream(addr, i, format!("drain-{i}"))),
+            )
+            .await,
+        );
+    }
+    let started = Instant::now();
+    let readers: Vec<_> = streams
+        .into_iter()
+        .map(|stream| tokio::spawn(until_closed(stream, started)))
+        .collect();
+    let mut admin = TcpStream::connect(addr).await.expect("connect admin");
+    let request = format!("POST /admin/drain HTTP/1.1\r\nHost: {addr}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n");
+    admin
+        .write_all(request.as_bytes())
+        .await
+        .expect("drain request");
+    let mut answer = Vec::new();
+    admin.read_to_end(&mut answer).await.expect("drain answer");
+    assert!(
+        answer.starts_with(b"HTTP/1.1 202"),
+        "{}",
+        String::from_utf8_lossy(&answer)
+    );
+    let mut closes = Vec::with_capacity(connections);
+    let mut retries = Vec::with_capacity(connections);
+    for reader in readers {
+        let (closed, retry) = reader.await.expect("reader");
+        closes.push(closed.as_secs_f64());
+        retries.extend(retry);
+    }
+    let exit_wait = Instant::now();
+    while std::path::Path::new(&format!("/proc/{pid}")).exists()
+        && exit_wait.elapsed() < Duration::from_secs(30)
+    {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let exited = started.elapsed().as_secs_f64();
+    closes.sort_by(f64::total_cmp);
+    retries.sort_unstable();
+    let (first, last) = (closes[0], closes[closes.len() - 1]);
+    let rate = connections as f64 / (last - first).max(0.001);
+    let (low, high) = (
+        retries.first().copied().unwrap_or(0),
+        retries.last().copied().unwrap_or(0),
+    );
+    let mut buckets = [0usize; 6];
+    for retry in &retries {
+        let index = ((retry - low) * 6 / (high - low + 1)) as usize;
+        buckets[index.min(5)] += 1;
+    }
+    println!(
+        "drain: {connections} connections: first close {first:.2}s, last close {last:.2}s, process gone {exited:.2}s after the request; {rate:.0} closes/s; {} retry values in {low}..{high} ms, per sixth of the range: {buckets:?}",
+        retries.len()
+    );
+    println!(
+        "{{\"scenario\":\"drain\",\"connections\":{connections},\"first_close_s\":{first:.3},\"last_close_s\":{last:.3},\"exit_s\":{exited:.3},\"closes_per_second\":{rate:.1},\"retries\":{},\"retry_min_ms\":{low},\"retry_max_ms\":{high},\"retry_sixths\":{buckets:?}}}",
+        retries.len()
+    );
+}
+
 #[tokio::main]
 async fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let usage = "usage: baseline idle ADDR CONNECTIONS SERVER_PID | baseline fanout ADDR CONNECTIONS RATE SECONDS SIZE | baseline latency ADDR REDIS_ADDR CONNECTIONS RATE SECONDS";
+    let usage = "usage: baseline idle ADDR CONNECTIONS SERVER_PID | baseline fanout ADDR CONNECTIONS RATE SECONDS SIZE | baseline latency ADDR REDIS_ADDR CONNECTIONS RATE SECONDS | baseline drain ADDR CONNECTIONS SERVER_PID";
     let addr: SocketAddr = args.get(1).and_then(|a| a.parse().ok()).expect(usage);
     assert!(
         addr.ip().is_loopback(),
@@ -342,6 +434,7 @@ async fn main() {
     let work = async {
         match args.first().map(String::as_str) {
             Some("idle") => idle(addr, number(2) as usize, number(3) as u32).await,
+            Some("drain") => drain(addr, number(2) as usize, number(3) as u32).await,
             Some("latency") => {
                 let redis: SocketAddr = args.get(2).and_then(|a| a.parse().ok()).expect(usage);
                 latency(addr, redis, number(3) as usize, number(4), number(5)).await

@@ -6,7 +6,7 @@ mod support;
 use std::time::Duration;
 
 use serde_json::json;
-use support::{http, Hub, SseClient};
+use support::{http, live_stream, Hub, SseClient};
 
 const WAIT: Duration = Duration::from_secs(15);
 
@@ -80,4 +80,72 @@ async fn signal_after_a_drain_without_exit_ends_the_process() {
         .await
         .expect("the process exits after SIGTERM");
     assert_eq!(status.code(), Some(0));
+}
+
+/// Every connection gets its own `retry:` drawn uniformly from `[drain.retry_min,
+/// drain.retry_max]`, and the closes are spread over time at `drain.close_rate`. With 600
+/// connections each quarter of the range expects 150 values (standard deviation about 11); the
+/// test asks for 90, a bound missed with a probability far below one in a million.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drain_spreads_retries_and_closes() {
+    const CONNECTIONS: usize = 600;
+    let hub = Hub::builder()
+        .env("POSTHORN_DRAIN__RETRY_MIN", "1s")
+        .env("POSTHORN_DRAIN__RETRY_MAX", "5s")
+        .env("POSTHORN_DRAIN__CLOSE_RATE", "100")
+        .env("POSTHORN_DRAIN__GRACE", "20s")
+        .start()
+        .await;
+    let mut clients = Vec::with_capacity(CONNECTIONS);
+    for i in 0..CONNECTIONS {
+        clients.push(live_stream(&hub, &format!("spread-{i}")).await);
+    }
+    let started = std::time::Instant::now();
+    let drain = http::request(hub.addr(), "POST", "/admin/drain?exit=false", &[], None).await;
+    assert_eq!(drain.status, 202);
+    let readers: Vec<_> = clients
+        .into_iter()
+        .map(|mut client| {
+            tokio::spawn(async move {
+                client.read_to_close(Duration::from_secs(40)).await;
+                (started.elapsed(), client.retry.expect("a closing retry"))
+            })
+        })
+        .collect();
+    let mut closes = Vec::with_capacity(CONNECTIONS);
+    let mut retries = Vec::with_capacity(CONNECTIONS);
+    for reader in readers {
+        let (closed_at, retry) = reader.await.expect("reader");
+        closes.push(closed_at);
+        retries.push(retry);
+    }
+    assert!(
+        retries.iter().all(|r| (1000..=5000).contains(r)),
+        "retry outside the range"
+    );
+    let mut quarters = [0usize; 4];
+    for retry in &retries {
+        quarters[(((retry - 1000) * 4) / 4001) as usize] += 1;
+    }
+    assert!(
+        quarters.iter().all(|&n| n >= 90),
+        "retries not spread uniformly: {quarters:?}"
+    );
+    let distinct: std::collections::HashSet<_> = retries.iter().collect();
+    assert!(
+        distinct.len() > CONNECTIONS / 2,
+        "retries are not drawn per connection"
+    );
+    // 600 closes at 100/s take about 6 s; being slow can only stretch that, never shrink it.
+    let first = closes.iter().min().unwrap();
+    let last = closes.iter().max().unwrap();
+    assert!(
+        *last - *first >= Duration::from_secs(3),
+        "closes were not spread: {first:?}..{last:?}"
+    );
+    let scrape = support::metrics::scrape(hub.addr()).await;
+    assert_eq!(
+        scrape.value("sse_connections_closed_total", &[("reason", "drain")]),
+        Some(CONNECTIONS as f64)
+    );
 }
