@@ -9,6 +9,7 @@
 pub mod http;
 pub mod hub;
 pub mod metrics;
+pub mod nginx;
 pub mod redis;
 pub mod sse;
 
@@ -18,6 +19,8 @@ use std::time::Duration;
 // Shortcuts for the common case; like the rest, unused in some binaries.
 #[allow(unused_imports)]
 pub use hub::Hub;
+#[allow(unused_imports)]
+pub use nginx::Nginx;
 #[allow(unused_imports)]
 pub use redis::{RedisCluster, RedisServer, RespClient, RespValue};
 #[allow(unused_imports)]
