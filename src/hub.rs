@@ -36,6 +36,8 @@ pub enum ServeError {
         addr: std::net::SocketAddr,
         source: io::Error,
     },
+    #[error("the drain reached drain.grace with streams still open")]
+    DrainForced,
     #[error("cannot start the backend: {0}")]
     Backend(String),
     #[error("server failed: {0}")]
@@ -113,6 +115,11 @@ pub async fn build_backend(config: &Config) -> Result<Arc<dyn Backend>, ServeErr
 /// Runs the hub until it has drained (SIGTERM, SIGINT, `POST /admin/drain`).
 pub fn serve(config: Config) -> Result<(), ServeError> {
     check_servable(&config)?;
+    // Every stream is a file descriptor; a soft limit of 1024 would cap the pod at ~1,000 streams.
+    match rlimit::increase_nofile_limit(u64::MAX) {
+        Ok(limit) => log::info!("open files limit: {limit}"),
+        Err(error) => log::warn!("cannot raise the open files limit: {error}"),
+    }
     let config = Arc::new(config);
     System::new().block_on(async move {
         let backend = build_backend(&config).await?;
@@ -164,7 +171,7 @@ pub fn serve(config: Config) -> Result<(), ServeError> {
             config: config.clone(),
             backend,
             metrics,
-            hub,
+            hub: hub.clone(),
             router,
             shutdown: shutdown.clone(),
             tails: tail_statuses,
@@ -184,6 +191,10 @@ pub fn serve(config: Config) -> Result<(), ServeError> {
         );
         server.await?;
         router_arbiter.stop();
+        if hub.drain_was_forced() {
+            tail_arbiter.stop();
+            return Err(ServeError::DrainForced);
+        }
         tail_arbiter.stop();
         log::info!("posthorn stopped");
         Ok(())

@@ -149,3 +149,103 @@ async fn drain_spreads_retries_and_closes() {
         Some(CONNECTIONS as f64)
     );
 }
+
+/// SPEC 7.2: once a drain begins, every connection is sent its jittered `retry:` right away, not
+/// only at its own close, so a client whose connection breaks while it waits still comes back at
+/// its own time.
+#[tokio::test]
+async fn retry_is_announced_before_the_close() {
+    let hub = Hub::builder()
+        .env("POSTHORN_SSE__RETRY_MS", "1500")
+        .env("POSTHORN_DRAIN__RETRY_MIN", "2s")
+        .env("POSTHORN_DRAIN__RETRY_MAX", "4s")
+        // One close per second: the second connection waits about 2 s for its turn.
+        .env("POSTHORN_DRAIN__CLOSE_RATE", "1")
+        .env("POSTHORN_DRAIN__GRACE", "20s")
+        .start()
+        .await;
+    let mut first = live_stream(&hub, "pos-1").await;
+    let mut second = live_stream(&hub, "pos-2").await;
+    assert_eq!(second.retry, Some(1500));
+    let drain = http::request(hub.addr(), "POST", "/admin/drain?exit=false", &[], None).await;
+    assert_eq!(drain.status, 202);
+    let deadline = tokio::time::Instant::now() + Duration::from_millis(900);
+    while second.retry == Some(1500) && tokio::time::Instant::now() < deadline {
+        assert!(matches!(
+            second.next_event(Duration::from_millis(50)).await,
+            support::SseNext::Timeout
+        ));
+    }
+    let announced = second.retry.expect("a retry");
+    assert!(
+        (2000..=4000).contains(&announced),
+        "announced retry {announced} within 0.9 s"
+    );
+    assert!(
+        !second.is_closed(),
+        "announced before the close, not with it"
+    );
+    first.read_to_close(WAIT).await;
+    second.read_to_close(WAIT).await;
+    assert_eq!(
+        second.retry,
+        Some(announced),
+        "the close repeats the announced value"
+    );
+}
+
+/// A drain that reaches `drain.grace` while a stream is still writing (its client stopped reading
+/// with events queued) is forced: it says so, and the process exits 1 instead of 0.
+#[tokio::test]
+async fn forced_drain_exits_non_zero() {
+    let mut hub = Hub::builder()
+        .env("POSTHORN_DRAIN__GRACE", "3s")
+        .env("POSTHORN_SSE__SEND_BUFFER", "4096")
+        .start()
+        .await;
+    let _stalled =
+        SseClient::connect_raw_never_read(hub.addr(), "/v1/devices/stalled/events").await;
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while http::get(hub.addr(), "/admin/status").await.json()["connections"] != 1 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the stalled stream never registered"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // About 100 KB queued: more than socket buffers take, less than the 256-event queue.
+    let payload = "q".repeat(1024);
+    for i in 0..100 {
+        let event = json!({ "device": "stalled", "data": format!("{i}:{payload}") });
+        assert_eq!(
+            http::post_json(hub.addr(), "/v1/events", &event)
+                .await
+                .status,
+            201
+        );
+    }
+    hub.signal("TERM");
+    let status = hub
+        .wait_exit(WAIT)
+        .await
+        .expect("the hub exits after its grace");
+    assert_eq!(status.code(), Some(1));
+    assert!(
+        hub.stderr_log().contains("drain forced"),
+        "{}",
+        hub.stderr_log()
+    );
+}
+
+/// A `drain.readiness_delay` that leaves no time to spread the closes within `drain.grace` is
+/// refused at start-up, naming the key.
+#[tokio::test]
+async fn readiness_delay_must_leave_time_for_closes() {
+    let (code, log) = Hub::builder()
+        .env("POSTHORN_DRAIN__GRACE", "10s")
+        .env("POSTHORN_DRAIN__READINESS_DELAY", "9s")
+        .run_to_exit(Duration::from_secs(20))
+        .await;
+    assert_eq!(code, Some(64), "{log}");
+    assert!(log.contains("drain.readiness_delay"), "{log}");
+}

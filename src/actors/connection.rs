@@ -3,15 +3,17 @@
 //! Owns: the bounded event queue (`sse.queue_limit`, an mpsc whose receiver is the SSE body), the
 //! replay channel while a backlog is sent, and the [`StreamControl`] it shares with the body.
 //! Receives (control only): [`Close`] (Router: `SlowConsumer`, `Takeover`; Shutdown: `Drain`),
-//! [`BodyDropped`] (the body, when actix drops it: the client went away).
+//! [`AnnounceRetry`] (Shutdown, when a drain begins), [`BodyDropped`] (the body, when actix drops
+//! it: the client went away).
 //! Sends: [`Register`] on start and [`Unregister`] on stop to the Router.
 //! Resume: registers first (live events start queueing), then replays the backlog after the
 //! cursor page by page, then the body switches to the live queue and skips what was replayed.
 //! Backpressure: the Router `try_send`s into the queue; full → `CloseReason::SlowConsumer`, and
 //! the socket is shut at once (see `sse::socket`). Replay pages wait on the replay channel, i.e.
 //! on the client's reading speed, while live events accumulate in the bounded queue.
-//! Drain: `Close { Drain, retry }` drops this actor's queue sender and stops it (which unregisters
-//! it from the Router): the body writes everything already queued, then `retry:`, then ends the
+//! Drain: `AnnounceRetry(ms)` queues `retry: ms` at once and keeps it for the close; later
+//! `Close { Drain }` drops this actor's queue sender and stops it (which unregisters it from the
+//! Router): the body writes everything already queued, then `retry: ms` again, then ends the
 //! response, and the TCP connection is closed.
 
 use std::sync::{
@@ -44,23 +46,11 @@ const REPLAY_BUFFER: usize = 64;
 #[rtype(result = "()")]
 pub struct Close {
     pub reason: CloseReason,
-    /// For a drain: the `retry:` the client should wait before reconnecting.
-    pub retry_ms: Option<u32>,
 }
 
 impl Close {
     pub fn now(reason: CloseReason) -> Self {
-        Self {
-            reason,
-            retry_ms: None,
-        }
-    }
-
-    pub fn drain(retry_ms: u32) -> Self {
-        Self {
-            reason: CloseReason::Drain,
-            retry_ms: Some(retry_ms),
-        }
+        Self { reason }
     }
 }
 
@@ -68,11 +58,28 @@ impl Close {
 #[rtype(result = "()")]
 pub struct BodyDropped;
 
+/// From Shutdown when a drain begins: the `retry:` this connection is sent now (so a client whose
+/// connection breaks before its turn still comes back at its own time) and again when it closes.
+#[derive(Message, Debug, Clone, Copy)]
+#[rtype(result = "()")]
+pub struct AnnounceRetry(pub u32);
+
+/// What the Router keeps of each connection for Shutdown: its two control inputs.
+#[derive(Clone)]
+pub struct DrainTarget {
+    pub announce: Recipient<AnnounceRetry>,
+    pub close: Recipient<Close>,
+}
+
 /// Pod-wide state shared by the HTTP edge, the Connections and the Shutdown actor.
 #[derive(Debug, Default)]
 pub struct HubState {
     draining: AtomicBool,
+    /// Set when a drain hit its grace deadline with streams still open; the process exits 1.
+    drain_forced: AtomicBool,
     connections: AtomicUsize,
+    /// Response bodies alive: a closed connection may still be writing what it had queued.
+    open_streams: AtomicUsize,
     next_connection_id: AtomicU64,
 }
 
@@ -87,6 +94,26 @@ impl HubState {
 
     pub fn connections(&self) -> usize {
         self.connections.load(Ordering::Acquire)
+    }
+
+    pub fn open_streams(&self) -> usize {
+        self.open_streams.load(Ordering::Acquire)
+    }
+
+    pub fn stream_opened(&self) {
+        self.open_streams.fetch_add(1, Ordering::AcqRel);
+    }
+
+    pub fn stream_closed(&self) {
+        self.open_streams.fetch_sub(1, Ordering::AcqRel);
+    }
+
+    pub fn mark_drain_forced(&self) {
+        self.drain_forced.store(true, Ordering::Release);
+    }
+
+    pub fn drain_was_forced(&self) -> bool {
+        self.drain_forced.load(Ordering::Acquire)
     }
 
     /// Takes a connection slot unless `limit` (0 = none) is reached.
@@ -193,6 +220,7 @@ impl Connection {
             hub,
             closing: None,
         };
+        let hub_for_body = connection.hub.clone();
         let address = connection.start();
         let body = SseBody::new(
             frame::prelude(stream.retry_ms),
@@ -201,6 +229,7 @@ impl Connection {
             control,
             address.recipient(),
             metrics,
+            hub_for_body,
         );
         (body, on_registered)
     }
@@ -227,7 +256,10 @@ impl Actor for Connection {
             shard: self.shard,
             connection_id: self.id,
             queue,
-            control: ctx.address().recipient(),
+            control: DrainTarget {
+                announce: ctx.address().recipient(),
+                close: ctx.address().recipient(),
+            },
         });
         let resume = self.resume.take();
         let registered = self.registered.take();
@@ -292,16 +324,25 @@ impl Handler<Close> for Connection {
         }
         if close.reason == CloseReason::Drain {
             // Dropping our sender and leaving the Router (on stop) lets the body write everything
-            // already queued, then the closing retry, then end: nothing queued is lost.
-            if let Some(retry_ms) = close.retry_ms {
-                self.control.set_closing_retry(retry_ms);
-            }
+            // already queued, then the closing retry announced earlier, then end.
             self.closing = Some(CloseReason::Drain);
             self.queue = None;
         } else {
             self.abort(close.reason);
         }
         ctx.stop();
+    }
+}
+
+impl Handler<AnnounceRetry> for Connection {
+    type Result = ();
+
+    fn handle(&mut self, AnnounceRetry(retry_ms): AnnounceRetry, _: &mut Context<Self>) {
+        self.control.set_closing_retry(retry_ms);
+        // A full queue cannot take it now; the close writes it after the queue anyway.
+        if let Some(queue) = &self.queue {
+            let _ = queue.try_send(QueueItem::Retry(retry_ms));
+        }
     }
 }
 

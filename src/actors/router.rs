@@ -19,7 +19,10 @@ use actix::prelude::*;
 use bytes::Bytes;
 use tokio::sync::mpsc::{self, error::TrySendError};
 
-use super::{close_reason::CloseReason, connection::Close};
+use super::{
+    close_reason::CloseReason,
+    connection::{Close, DrainTarget},
+};
 use crate::{
     metrics::{Metrics, RouteResult},
     model::{DeviceId, Position, Target},
@@ -52,7 +55,7 @@ pub struct Register {
     pub shard: u32,
     pub connection_id: u64,
     pub queue: mpsc::Sender<QueueItem>,
-    pub control: Recipient<Close>,
+    pub control: DrainTarget,
 }
 
 #[derive(Message)]
@@ -65,7 +68,7 @@ pub struct Unregister {
 
 /// Control handles of every connection, in registration order (for a drain).
 #[derive(Message)]
-#[rtype(result = "Vec<Recipient<Close>>")]
+#[rtype(result = "Vec<DrainTarget>")]
 pub struct Snapshot;
 
 #[derive(Message)]
@@ -75,7 +78,7 @@ pub struct Count;
 struct Route {
     connection_id: u64,
     queue: mpsc::Sender<QueueItem>,
-    control: Recipient<Close>,
+    control: DrainTarget,
 }
 
 pub struct Router {
@@ -148,7 +151,10 @@ impl Router {
 
     fn evict(&mut self, shard: u32, device: &DeviceId) {
         if let Some(route) = self.remove(shard, device) {
-            route.control.do_send(Close::now(CloseReason::SlowConsumer));
+            route
+                .control
+                .close
+                .do_send(Close::now(CloseReason::SlowConsumer));
         }
     }
 
@@ -229,7 +235,10 @@ impl Handler<Register> for Router {
             control: register.control,
         };
         match self.shards[register.shard as usize].insert(register.device, route) {
-            Some(previous) => previous.control.do_send(Close::now(CloseReason::Takeover)),
+            Some(previous) => previous
+                .control
+                .close
+                .do_send(Close::now(CloseReason::Takeover)),
             None => self.connections += 1,
         }
     }

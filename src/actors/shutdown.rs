@@ -2,13 +2,14 @@
 //!
 //! Owns: the drain plan and its status, the HTTP server handle, the signal listener.
 //! Receives: [`StartDrain`] (signal listener, admin endpoint), [`AttachServer`] (start-up).
-//! Sends: [`Snapshot`] / [`Count`] to the Router, [`Close::drain`] to Connections, [`StopTail`]
+//! Sends: [`Snapshot`] / [`Count`] to the Router, [`AnnounceRetry`] then [`Close`] to Connections, [`StopTail`]
 //! to the tails, and finally stops the HTTP server (the process then exits 0).
 //! Sequence: readiness off and new streams refused at once (`HubState::start_draining`); after
-//! `drain.readiness_delay`, connections are closed in slices every 100 ms at
-//! `max(drain.close_rate, connections / budget)` per second, each with its own `retry:` drawn
-//! uniformly from `[drain.retry_min, drain.retry_max]`; live events keep flowing until each
-//! connection's own close; the tails stop after the last connection is gone, or at `drain.grace`.
+//! `drain.readiness_delay`, every connection is sent its own `retry:` drawn uniformly from
+//! `[drain.retry_min, drain.retry_max]`, then connections are closed in slices every 100 ms at
+//! `max(drain.close_rate, connections / budget)` per second (each writes what it has queued, then
+//! its retry again); live events keep flowing until each connection's own close; the tails stop
+//! once no stream is routed or still writing, or at `drain.grace` (then the process exits 1).
 //! One timer drives the whole drain, whatever the number of connections.
 //! A second signal exits at once.
 
@@ -23,7 +24,8 @@ use rand::Rng;
 use serde::Serialize;
 
 use super::{
-    connection::{Close, HubState},
+    close_reason::CloseReason,
+    connection::{AnnounceRetry, Close, HubState},
     router::{Count, Snapshot},
     stream_tail::StopTail,
 };
@@ -198,7 +200,13 @@ impl Handler<StartDrain> for Shutdown {
             status: self.status.clone(),
             metrics: self.metrics.clone(),
             trigger: start.trigger,
+            hub: self.hub.clone(),
         };
+        log::info!(
+            "drain requested by {}: readiness is off, new streams get 503; closes begin in {:.1}s",
+            start.trigger,
+            self.config.readiness_delay.as_secs_f64()
+        );
         ctx.spawn(drain.run().into_actor(self).map(|(), shutdown, _| {
             shutdown.drained = true;
             shutdown.stop_server_if_asked();
@@ -216,6 +224,7 @@ struct Drain {
     status: SharedDrainStatus,
     metrics: Arc<Metrics>,
     trigger: &'static str,
+    hub: Arc<HubState>,
 }
 
 impl Drain {
@@ -250,11 +259,20 @@ impl Drain {
             s.close_rate_per_second = rate;
         });
 
-        let per_slice = rate * SLICE.as_secs_f64();
+        // SPEC 7.2: every connection learns its own reconnect delay now, before any close.
         let (retry_min, retry_max) = (
             config.retry_min.as_millis() as u32,
             config.retry_max.as_millis() as u32,
         );
+        {
+            let mut rng = rand::rng();
+            for target in &targets {
+                target
+                    .announce
+                    .do_send(AnnounceRetry(rng.random_range(retry_min..=retry_max)));
+            }
+        }
+        let per_slice = rate * SLICE.as_secs_f64();
         let mut ticker = tokio::time::interval(SLICE);
         let mut allowance = 0.0;
         let mut closed = 0;
@@ -263,16 +281,20 @@ impl Drain {
             allowance += per_slice;
             let upto = (closed + allowance as usize).min(targets.len());
             allowance -= (upto - closed) as f64;
-            let mut rng = rand::rng();
             for target in &targets[closed..upto] {
-                target.do_send(Close::drain(rng.random_range(retry_min..=retry_max)));
+                target.close.do_send(Close::now(CloseReason::Drain));
             }
             closed = upto;
-            self.update(|s| s.closed = closed);
+            let elapsed = self.started.elapsed().as_secs_f64();
+            self.update(|s| {
+                s.closed = closed;
+                s.elapsed_seconds = elapsed;
+            });
         }
 
+        // Done when no connection is routed any more and every response has been written out.
         let completed = loop {
-            if self.count.send(Count).await.unwrap_or(0) == 0 {
+            if self.count.send(Count).await.unwrap_or(0) == 0 && self.hub.open_streams() == 0 {
                 break true;
             }
             if Instant::now() >= deadline {
@@ -299,6 +321,7 @@ impl Drain {
                 elapsed.as_secs_f64()
             );
         } else {
+            self.hub.mark_drain_forced();
             log::warn!(
                 "drain forced at the grace deadline: {closed} connections asked to close in {:.1}s, some still open",
                 elapsed.as_secs_f64()

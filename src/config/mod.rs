@@ -434,6 +434,20 @@ impl Config {
         if drain.grace.is_zero() {
             return Err(invalid("drain.grace", "must be greater than 0s (got 0s)"));
         }
+        // The drain keeps min(grace / 10, 2 s) in reserve; at least a second must remain to spread
+        // the closes, or every connection would be closed in the first slice: a reconnect storm.
+        let margin = (drain.grace / 10).min(Duration::from_secs(2));
+        if drain.readiness_delay + margin + Duration::from_secs(1) > drain.grace {
+            return Err(invalid(
+                "drain.readiness_delay",
+                format!(
+                    "must leave at least 1s to spread the closes before drain.grace ({}) minus its margin ({}) (got {})",
+                    format_duration(drain.grace),
+                    format_duration(margin),
+                    format_duration(drain.readiness_delay)
+                ),
+            ));
+        }
         if drain.retry_min > drain.retry_max {
             return Err(invalid(
                 "drain.retry_min",

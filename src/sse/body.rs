@@ -21,7 +21,11 @@ use bytes::{Bytes, BytesMut};
 use tokio::sync::mpsc;
 
 use super::{control::StreamControl, frame, QueueItem};
-use crate::{actors::connection::BodyDropped, metrics::Metrics, model::Position};
+use crate::{
+    actors::connection::{BodyDropped, HubState},
+    metrics::Metrics,
+    model::Position,
+};
 
 /// Largest chunk assembled from queued frames before handing it to actix.
 const MAX_CHUNK: usize = 64 * 1024;
@@ -50,6 +54,8 @@ pub struct SseBody {
     /// Tells the Connection actor that the client is gone when actix drops the body.
     on_drop: Option<Recipient<BodyDropped>>,
     metrics: Arc<Metrics>,
+    /// Counts this body among the pod's open streams until it is dropped.
+    hub: Arc<HubState>,
 }
 
 impl SseBody {
@@ -60,7 +66,9 @@ impl SseBody {
         control: Arc<StreamControl>,
         on_drop: Recipient<BodyDropped>,
         metrics: Arc<Metrics>,
+        hub: Arc<HubState>,
     ) -> Self {
+        hub.stream_opened();
         Self {
             prelude: Some(prelude),
             replay,
@@ -70,6 +78,7 @@ impl SseBody {
             control,
             on_drop: Some(on_drop),
             metrics,
+            hub,
         }
     }
 
@@ -170,6 +179,7 @@ impl MessageBody for SseBody {
                     this.metrics.sse_heartbeats_sent.inc();
                     chunk.push(frame::PING);
                 }
+                QueueItem::Retry(retry_ms) => chunk.push(frame::retry(retry_ms)),
             }
         }
         // Every sender is gone: a clean end (drain) tells the client when to come back.
@@ -190,6 +200,7 @@ impl MessageBody for SseBody {
 impl Drop for SseBody {
     fn drop(&mut self) {
         self.control.release();
+        self.hub.stream_closed();
         if let Some(connection) = self.on_drop.take() {
             connection.do_send(BodyDropped);
         }

@@ -21,4 +21,6 @@ pub enum QueueItem {
     /// Replay starts after this position: live events at or before it are already known.
     Floor(Position),
     Ping,
+    /// `retry: <ms>`: a draining pod tells the client when to come back before closing it.
+    Retry(u32),
 }
