@@ -14,6 +14,7 @@
 pub mod actors;
 pub mod backend;
 pub mod cli;
+pub mod client;
 pub mod config;
 pub mod http;
 pub mod hub;

@@ -3,6 +3,7 @@
 pub mod publish;
 pub mod serve;
 pub mod shard_key;
+pub mod tail;
 
 use std::path::PathBuf;
 
@@ -33,6 +34,8 @@ pub enum Command {
     Publish(publish::PublishArgs),
     /// Print the shard and stream key of a device under the active configuration.
     ShardKey(shard_key::ShardKeyArgs),
+    /// Follow a device's stream like a POS terminal (reference client).
+    Tail(tail::TailArgs),
 }
 
 #[derive(Debug, Error)]
@@ -77,5 +80,6 @@ pub fn run(cli: Cli) -> Result<(), CliError> {
         Command::Serve(args) => serve::run(args),
         Command::Publish(args) => publish::run(args),
         Command::ShardKey(args) => shard_key::run(args),
+        Command::Tail(args) => tail::run(args),
     }
 }

@@ -1,0 +1,106 @@
+//! `posthorn tail`: the reference POS client (SPEC 9) on the command line. One line per event on
+//! stdout; connections, reconnects and resyncs are reported on stderr.
+
+use std::{io::Write, path::PathBuf, time::Duration};
+
+use serde_json::json;
+
+use super::CliError;
+use crate::client::{follow, ClientOptions, Notice};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Format {
+    /// `id<TAB>type<TAB>data`, line breaks in data written as `\n`.
+    Text,
+    /// `{"id": ..., "type": ..., "data": ...}`.
+    Json,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct TailArgs {
+    /// The hub's base URL, e.g. http://127.0.0.1:8080.
+    #[arg(long)]
+    pub url: String,
+    /// Device to follow.
+    #[arg(long)]
+    pub device: String,
+    /// Bearer token (jwt auth).
+    #[arg(long)]
+    pub token: Option<String>,
+    /// Keep the cursor here (at-least-once); without it, events missed while away are not
+    /// replayed (at-most-once).
+    #[arg(long, value_name = "FILE")]
+    pub cursor_file: Option<PathBuf>,
+    #[arg(long, value_enum, default_value = "text")]
+    pub format: Format,
+    /// The hub's heartbeat interval; silence for three of them means a dead connection.
+    #[arg(long, default_value = "20s", value_parser = parse_duration)]
+    pub heartbeat: Duration,
+}
+
+fn parse_duration(text: &str) -> Result<Duration, String> {
+    crate::config::parse_duration(text)
+        .ok_or_else(|| format!("invalid duration {text:?} (e.g. 500ms, 20s, 1m)"))
+}
+
+pub fn run(args: TailArgs) -> Result<(), CliError> {
+    let options = ClientOptions {
+        base_url: args.url.trim_end_matches('/').to_string(),
+        device: args.device,
+        token: args.token,
+        cursor_file: args.cursor_file,
+        heartbeat: args.heartbeat,
+    };
+    let format = args.format;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|error| CliError::Failed(format!("cannot start the runtime: {error}")))?;
+    runtime
+        .block_on(follow(options, move |notice| report(format, notice)))
+        .map_err(|error| CliError::Failed(error.to_string()))
+}
+
+fn report(format: Format, notice: Notice) {
+    match notice {
+        Notice::Event(event) => {
+            let line = match format {
+                Format::Text => format!(
+                    "{}\t{}\t{}",
+                    event.id.as_deref().unwrap_or(""),
+                    event.event_type,
+                    event.data.replace('\\', "\\\\").replace('\n', "\\n")
+                ),
+                Format::Json => {
+                    json!({ "id": event.id, "type": event.event_type, "data": event.data })
+                        .to_string()
+                }
+            };
+            let mut stdout = std::io::stdout().lock();
+            // A closed stdout (e.g. `| head`) ends the program like any other Unix filter.
+            if writeln!(stdout, "{line}")
+                .and_then(|()| stdout.flush())
+                .is_err()
+            {
+                std::process::exit(0);
+            }
+        }
+        Notice::Connected { resumed_from } => match resumed_from {
+            Some(cursor) => eprintln!("connected, resuming after {cursor}"),
+            None => eprintln!("connected"),
+        },
+        Notice::Resync { reason, id } => eprintln!(
+            "resync ({reason}): reload state from the source of truth; continuing from {}",
+            id.as_deref().unwrap_or("the head")
+        ),
+        Notice::Disconnected {
+            reason,
+            reconnect_in,
+        } => {
+            eprintln!(
+                "disconnected: {reason}; reconnecting in {} ms",
+                reconnect_in.as_millis()
+            )
+        }
+    }
+}

@@ -1,0 +1,407 @@
+//! The reference POS client (SPEC 9), used by `posthorn tail` and embeddable in a Rust POS app.
+//!
+//! - Sends `Last-Event-ID` from its stored cursor (at-least-once: the cursor is persisted
+//!   atomically after each event was handed to the application) or none (at-most-once: no
+//!   cursor file). The server does not take part in this choice.
+//! - Honours `retry:` with a floor of 1 s, backs off exponentially with full jitter (cap 60 s)
+//!   after consecutive failures, resets after a healthy connection, honours a 503's
+//!   `Retry-After`, and stops with an error on 401/403 (or 400) instead of hammering the hub.
+//! - On `event: resync` it drops its cursor, tells the application (which reloads its state from
+//!   its source of truth) and continues from the id the resync carries.
+//! - Silence longer than three heartbeat intervals counts as a dead connection.
+//!
+//! Plain `http://` only; put TLS in front (a sidecar or the load balancer) for now.
+
+pub mod cursor;
+pub mod parser;
+pub mod policy;
+
+use std::{
+    io,
+    path::PathBuf,
+    time::{Duration, Instant},
+};
+
+use thiserror::Error;
+use tokio::{
+    io::{AsyncReadExt, AsyncWriteExt},
+    net::TcpStream,
+};
+
+use self::{
+    cursor::CursorFile,
+    parser::{Dispatched, Parsed, Parser},
+    policy::{ReconnectPolicy, HEALTHY_AFTER},
+};
+
+#[derive(Debug, Clone)]
+pub struct ClientOptions {
+    /// The hub's base URL, `http://host:port` (a path prefix is kept).
+    pub base_url: String,
+    pub device: String,
+    /// Sent as `Authorization: Bearer <token>`.
+    pub token: Option<String>,
+    /// At-least-once when set: the cursor survives restarts of the application.
+    pub cursor_file: Option<PathBuf>,
+    /// The hub's `sse.heartbeat`; three of them without a byte mean the connection is dead.
+    pub heartbeat: Duration,
+}
+
+/// What the client tells the application.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Notice {
+    Connected {
+        resumed_from: Option<String>,
+    },
+    Event(Dispatched),
+    /// The cursor could not be resumed: reload state from the source of truth.
+    Resync {
+        reason: String,
+        id: Option<String>,
+    },
+    Disconnected {
+        reason: String,
+        reconnect_in: Duration,
+    },
+}
+
+#[derive(Debug, Error)]
+pub enum ClientError {
+    #[error("invalid hub URL {0:?}: expected http://host:port")]
+    Url(String),
+    #[error("the hub refused the stream with {status}: {body}")]
+    Refused { status: u16, body: String },
+    #[error("cursor file {path}: {source}")]
+    Cursor { path: PathBuf, source: io::Error },
+}
+
+struct Target {
+    host_port: String,
+    path: String,
+}
+
+fn target(options: &ClientOptions) -> Result<Target, ClientError> {
+    let rest = options
+        .base_url
+        .strip_prefix("http://")
+        .ok_or_else(|| ClientError::Url(options.base_url.clone()))?;
+    let (host_port, prefix) = match rest.split_once('/') {
+        Some((host_port, prefix)) => (host_port, format!("/{}", prefix.trim_end_matches('/'))),
+        None => (rest, String::new()),
+    };
+    if host_port.is_empty() || prefix.contains(['\r', '\n']) || host_port.contains(['\r', '\n']) {
+        return Err(ClientError::Url(options.base_url.clone()));
+    }
+    let prefix = if prefix == "/" { String::new() } else { prefix };
+    Ok(Target {
+        host_port: host_port.to_string(),
+        path: format!("{prefix}/v1/devices/{}/events", options.device),
+    })
+}
+
+/// How one connection ended.
+enum Ended {
+    /// Reconnect after the policy's delay; `retry_after` from a 503.
+    Retry {
+        reason: String,
+        retry_after: Option<Duration>,
+    },
+    /// The server ended the stream itself (a drain): come back after its `retry:`.
+    Closed,
+    Fatal(ClientError),
+}
+
+/// Follows the device's stream until a fatal error (a refusal, an unusable cursor file).
+pub async fn follow(
+    options: ClientOptions,
+    mut notify: impl FnMut(Notice),
+) -> Result<(), ClientError> {
+    let target = target(&options)?;
+    let store = options.cursor_file.clone().map(CursorFile::new);
+    let mut cursor = match &store {
+        Some(store) => store.load().map_err(|source| ClientError::Cursor {
+            path: store.path().to_path_buf(),
+            source,
+        })?,
+        None => None,
+    };
+    let mut policy = ReconnectPolicy::default();
+    loop {
+        let started = Instant::now();
+        let mut delivered = 0u64;
+        let ended = connect_once(
+            &options,
+            &target,
+            store.as_ref(),
+            &mut cursor,
+            &mut policy,
+            &mut delivered,
+            &mut notify,
+        )
+        .await;
+        let (reason, retry_after, closed_by_server) = match ended {
+            Ended::Fatal(error) => return Err(error),
+            Ended::Retry {
+                reason,
+                retry_after,
+            } => (reason, retry_after, false),
+            Ended::Closed => ("the hub ended the stream".to_string(), None, true),
+        };
+        let healthy = closed_by_server || delivered > 0 || started.elapsed() >= HEALTHY_AFTER;
+        let reconnect_in = policy.next_delay(healthy, retry_after, &mut rand::rng());
+        notify(Notice::Disconnected {
+            reason,
+            reconnect_in,
+        });
+        tokio::time::sleep(reconnect_in).await;
+    }
+}
+
+async fn connect_once(
+    options: &ClientOptions,
+    target: &Target,
+    store: Option<&CursorFile>,
+    cursor: &mut Option<String>,
+    policy: &mut ReconnectPolicy,
+    delivered: &mut u64,
+    notify: &mut impl FnMut(Notice),
+) -> Ended {
+    let retry = |reason: String| Ended::Retry {
+        reason,
+        retry_after: None,
+    };
+    let silence = options
+        .heartbeat
+        .saturating_mul(3)
+        .max(Duration::from_secs(1));
+    let mut stream = match tokio::time::timeout(
+        Duration::from_secs(10),
+        TcpStream::connect(&target.host_port),
+    )
+    .await
+    {
+        Ok(Ok(stream)) => stream,
+        Ok(Err(error)) => return retry(format!("cannot connect to {}: {error}", target.host_port)),
+        Err(_) => return retry(format!("connecting to {} timed out", target.host_port)),
+    };
+    let _ = stream.set_nodelay(true);
+    let mut request = format!(
+        "GET {} HTTP/1.1\r\nHost: {}\r\nAccept: text/event-stream\r\nCache-Control: no-cache\r\n",
+        target.path, target.host_port
+    );
+    if let Some(cursor) = cursor.as_deref().filter(|c| !c.contains(['\r', '\n'])) {
+        request.push_str(&format!("Last-Event-ID: {cursor}\r\n"));
+    }
+    if let Some(token) = options
+        .token
+        .as_deref()
+        .filter(|t| !t.contains(['\r', '\n']))
+    {
+        request.push_str(&format!("Authorization: Bearer {token}\r\n"));
+    }
+    request.push_str("\r\n");
+    if let Err(error) = stream.write_all(request.as_bytes()).await {
+        return retry(format!("cannot send the request: {error}"));
+    }
+
+    let mut buf = vec![0u8; 16 * 1024];
+    let mut head = Vec::new();
+    let body_start = loop {
+        let n = match tokio::time::timeout(silence, stream.read(&mut buf)).await {
+            Ok(Ok(0)) => return retry("closed before answering".into()),
+            Ok(Ok(n)) => n,
+            Ok(Err(error)) => return retry(format!("read failed: {error}")),
+            Err(_) => return retry("no answer".into()),
+        };
+        head.extend_from_slice(&buf[..n]);
+        if let Some(at) = head.windows(4).position(|w| w == b"\r\n\r\n") {
+            break at + 4;
+        }
+        if head.len() > 64 * 1024 {
+            return retry("response head too large".into());
+        }
+    };
+    let head_text = String::from_utf8_lossy(&head[..body_start]).into_owned();
+    let status: u16 = head_text
+        .split(' ')
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    let header = |name: &str| {
+        head_text.lines().find_map(|line| {
+            let (key, value) = line.split_once(':')?;
+            key.trim()
+                .eq_ignore_ascii_case(name)
+                .then(|| value.trim().to_string())
+        })
+    };
+    let mut body = head[body_start..].to_vec();
+    if status != 200 {
+        let text = String::from_utf8_lossy(&body).into_owned();
+        return match status {
+            400 | 401 | 403 | 404 => Ended::Fatal(ClientError::Refused { status, body: text }),
+            _ => Ended::Retry {
+                reason: format!("the hub answered {status}"),
+                retry_after: header("retry-after")
+                    .and_then(|s| s.parse().ok())
+                    .map(Duration::from_secs),
+            },
+        };
+    }
+    let chunked = header("transfer-encoding").is_some_and(|v| v.eq_ignore_ascii_case("chunked"));
+    notify(Notice::Connected {
+        resumed_from: cursor.clone(),
+    });
+    let mut dechunk = chunked.then(Dechunker::default);
+    let mut parser = Parser::new();
+    loop {
+        let decoded = match &mut dechunk {
+            Some(dechunk) => match dechunk.feed(&body) {
+                Ok(decoded) => decoded,
+                Err(error) => return retry(error),
+            },
+            None => std::mem::take(&mut body),
+        };
+        body.clear();
+        for parsed in parser.feed(&decoded) {
+            match parsed {
+                Parsed::Retry(ms) => policy.set_retry(Duration::from_millis(ms)),
+                Parsed::Comment(_) => {}
+                Parsed::Event(event) => {
+                    let resync = event.event_type == "resync";
+                    if resync {
+                        let reason = serde_json::from_str::<serde_json::Value>(&event.data)
+                            .ok()
+                            .and_then(|v| v["reason"].as_str().map(String::from))
+                            .unwrap_or_else(|| "unknown".into());
+                        notify(Notice::Resync {
+                            reason,
+                            id: event.id.clone(),
+                        });
+                    } else {
+                        *delivered += 1;
+                        notify(Notice::Event(event.clone()));
+                    }
+                    // Persist only after the application has the event: at-least-once.
+                    *cursor = event.id.clone();
+                    if let (Some(store), Some(id)) = (store, &event.id) {
+                        if let Err(source) = store.store(id) {
+                            return Ended::Fatal(ClientError::Cursor {
+                                path: store.path().to_path_buf(),
+                                source,
+                            });
+                        }
+                    }
+                }
+            }
+        }
+        if dechunk.as_ref().is_some_and(Dechunker::is_done) {
+            return Ended::Closed;
+        }
+        match tokio::time::timeout(silence, stream.read(&mut buf)).await {
+            // Without chunked framing a clean end is the peer closing the connection.
+            Ok(Ok(0)) if dechunk.is_none() => return Ended::Closed,
+            Ok(Ok(0)) => return retry("the connection closed mid-stream".into()),
+            Ok(Ok(n)) => body.extend_from_slice(&buf[..n]),
+            Ok(Err(error)) => return retry(format!("read failed: {error}")),
+            Err(_) => {
+                return retry(format!(
+                    "no data for {}s: connection presumed dead",
+                    silence.as_secs()
+                ))
+            }
+        }
+    }
+}
+
+/// `Transfer-Encoding: chunked` decoding, incremental.
+#[derive(Default)]
+struct Dechunker {
+    pending: Vec<u8>,
+    /// Bytes left in the current chunk (plus its CRLF), or None while reading a size line.
+    left: Option<usize>,
+    done: bool,
+}
+
+impl Dechunker {
+    fn is_done(&self) -> bool {
+        self.done
+    }
+
+    fn feed(&mut self, input: &[u8]) -> Result<Vec<u8>, String> {
+        // After the last chunk only the (empty) trailer's CRLF can follow.
+        if self.done {
+            return Ok(Vec::new());
+        }
+        self.pending.extend_from_slice(input);
+        let mut out = Vec::new();
+        loop {
+            match self.left {
+                None => {
+                    let Some(end) = self.pending.windows(2).position(|w| w == b"\r\n") else {
+                        return Ok(out);
+                    };
+                    let line = String::from_utf8_lossy(&self.pending[..end]).into_owned();
+                    let size =
+                        usize::from_str_radix(line.split(';').next().unwrap_or("").trim(), 16)
+                            .map_err(|_| format!("bad chunk size {line:?}"))?;
+                    self.pending.drain(..end + 2);
+                    if size == 0 {
+                        self.done = true;
+                        return Ok(out);
+                    }
+                    self.left = Some(size + 2);
+                }
+                Some(left) => {
+                    if self.pending.is_empty() {
+                        return Ok(out);
+                    }
+                    let take = left.min(self.pending.len());
+                    let data_part = take.min(left.saturating_sub(2));
+                    out.extend_from_slice(&self.pending[..data_part]);
+                    self.pending.drain(..take);
+                    self.left = Some(left - take).filter(|l| *l > 0);
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Chunked bodies decode the same whatever the read boundaries.
+    #[test]
+    fn dechunker_handles_any_split() {
+        let wire = b"5\r\nhello\r\n1;ext=1\r\n \r\n6\r\nworld!\r\n0\r\n\r\n";
+        for split in 1..wire.len() {
+            let mut dechunk = Dechunker::default();
+            let mut out = dechunk.feed(&wire[..split]).unwrap();
+            out.extend(dechunk.feed(&wire[split..]).unwrap());
+            assert_eq!(out, b"hello world!", "split at {split}");
+            assert!(dechunk.is_done());
+        }
+    }
+
+    /// Base URLs keep a path prefix and refuse anything but http://.
+    #[test]
+    fn targets_from_base_urls() {
+        let options = |url: &str| ClientOptions {
+            base_url: url.into(),
+            device: "pos-1".into(),
+            token: None,
+            cursor_file: None,
+            heartbeat: Duration::from_secs(20),
+        };
+        let t = target(&options("http://127.0.0.1:8080")).unwrap();
+        assert_eq!(
+            (t.host_port.as_str(), t.path.as_str()),
+            ("127.0.0.1:8080", "/v1/devices/pos-1/events")
+        );
+        let t = target(&options("http://hub:80/posthorn/")).unwrap();
+        assert_eq!(t.path, "/posthorn/v1/devices/pos-1/events");
+        assert!(target(&options("https://hub")).is_err());
+        assert!(target(&options("ftp://hub")).is_err());
+    }
+}
