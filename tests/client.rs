@@ -291,3 +291,27 @@ async fn silence_is_detected() {
     hub.signal("CONT");
     assert!(err.contains("no data for 3s"), "{err}");
 }
+
+/// A hub answering 503 with `Retry-After` (here: its connection limit is reached) is not asked
+/// again before that many seconds.
+#[tokio::test]
+async fn retry_after_of_a_503_is_honoured() {
+    let hub = Hub::builder()
+        .env("POSTHORN_LIMITS__MAX_CONNECTIONS", "1")
+        .start()
+        .await;
+    let _holder = support::live_stream(&hub, "pos-1").await;
+    let tail = Tail::start(&hub.base_url(), "pos-2", &[]);
+    let err = tail.wait_stderr("reconnecting in").await;
+    assert!(err.contains("the hub answered 503"), "{err}");
+    let delay: u64 = err
+        .split("reconnecting in ")
+        .nth(1)
+        .and_then(|rest| rest.split(' ').next())
+        .and_then(|ms| ms.parse().ok())
+        .expect("a delay");
+    assert!(
+        delay >= 5000,
+        "Retry-After: 5 means at least 5000 ms, got {delay}"
+    );
+}
