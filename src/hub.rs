@@ -56,12 +56,6 @@ pub fn check_servable(config: &Config) -> Result<(), ServeError> {
             config.server.listen
         )));
     }
-    if config.auth.mode == AuthMode::Jwt {
-        return Err(ServeError::Unservable(
-            "auth.mode = jwt is not available in this build yet; use auth.mode = none on loopback"
-                .into(),
-        ));
-    }
     if config.backend.kind == BackendKind::Nats {
         return Err(ServeError::Unservable(
             "backend.kind = nats is not available in this build yet; use memory or redis".into(),
@@ -167,6 +161,9 @@ pub fn serve(config: Config) -> Result<(), ServeError> {
         let drain_status = shutdown.status();
         let shutdown = shutdown.start();
 
+        let auth = Arc::new(
+            crate::http::auth::Authenticator::new(&config.auth).map_err(ServeError::Unservable)?,
+        );
         let state = AppState {
             config: config.clone(),
             backend,
@@ -176,6 +173,7 @@ pub fn serve(config: Config) -> Result<(), ServeError> {
             shutdown: shutdown.clone(),
             tails: tail_statuses,
             drain: drain_status,
+            auth,
         };
         let server = http::server(state).map_err(|source| ServeError::Bind {
             addr: config.server.listen,

@@ -4,6 +4,7 @@ pub mod publish;
 pub mod serve;
 pub mod shard_key;
 pub mod tail;
+pub mod token;
 
 use std::path::PathBuf;
 
@@ -36,6 +37,8 @@ pub enum Command {
     ShardKey(shard_key::ShardKeyArgs),
     /// Follow a device's stream like a POS terminal (reference client).
     Tail(tail::TailArgs),
+    /// Mint a JWT with the configured HS256 secret (device or scopes).
+    Token(token::TokenArgs),
 }
 
 #[derive(Debug, Error)]
@@ -81,5 +84,6 @@ pub fn run(cli: Cli) -> Result<(), CliError> {
         Command::Publish(args) => publish::run(args),
         Command::ShardKey(args) => shard_key::run(args),
         Command::Tail(args) => tail::run(args),
+        Command::Token(args) => token::run(args),
     }
 }

@@ -37,6 +37,8 @@ pub enum ApiError {
     #[error("{0}")]
     BackendUnavailable(String),
     #[error("{0}")]
+    Unauthorized(String),
+    #[error("{0}")]
     Forbidden(String),
     #[error("no such endpoint")]
     NotFound,
@@ -58,6 +60,7 @@ impl ApiError {
             ApiError::Draining => "draining",
             ApiError::TooManyConnections(_) => "too_many_connections",
             ApiError::BackendUnavailable(_) => "backend_unavailable",
+            ApiError::Unauthorized(_) => "unauthorized",
             ApiError::Forbidden(_) => "forbidden",
             ApiError::NotFound => "not_found",
             ApiError::MethodNotAllowed => "method_not_allowed",
@@ -87,6 +90,7 @@ impl ResponseError for ApiError {
             ApiError::Draining
             | ApiError::TooManyConnections(_)
             | ApiError::BackendUnavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
             ApiError::Forbidden(_) => StatusCode::FORBIDDEN,
             ApiError::NotFound => StatusCode::NOT_FOUND,
             ApiError::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
@@ -104,6 +108,9 @@ impl ResponseError for ApiError {
             }
         }
         let mut response = HttpResponse::build(self.status_code());
+        if let ApiError::Unauthorized(_) = self {
+            response.insert_header(("WWW-Authenticate", "Bearer"));
+        }
         if let Some(seconds) = self.retry_after() {
             response.insert_header(("Retry-After", seconds.to_string()));
         }

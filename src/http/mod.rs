@@ -1,5 +1,6 @@
 //! The HTTP edge (SPEC 4): routes, shared state, and the server with its socket settings.
 
+pub mod auth;
 pub mod cors;
 pub mod error;
 pub mod ops;
@@ -37,6 +38,7 @@ pub struct AppState {
     pub shutdown: Addr<Shutdown>,
     pub tails: Vec<SharedTailStatus>,
     pub drain: SharedDrainStatus,
+    pub auth: Arc<auth::Authenticator>,
 }
 
 impl AppState {

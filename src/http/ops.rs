@@ -6,8 +6,9 @@ use actix_web::{web, HttpRequest, HttpResponse};
 use serde::Deserialize;
 use serde_json::json;
 
+use super::auth::Access;
 use super::{error::ApiError, AppState};
-use crate::{actors::shutdown::StartDrain, config::AuthMode};
+use crate::actors::shutdown::StartDrain;
 
 /// How long readiness waits for the backend before calling it unreachable.
 const READY_TIMEOUT: Duration = Duration::from_secs(2);
@@ -36,12 +37,10 @@ pub async fn metrics(state: web::Data<AppState>) -> HttpResponse {
         .body(state.metrics.render())
 }
 
-/// With auth `none`, admin endpoints answer loopback clients only.
+/// Admin endpoints need the `admin` scope with jwt auth, and a loopback client with auth `none`.
 fn require_admin(request: &HttpRequest, state: &AppState) -> Result<(), ApiError> {
-    if state.config.auth.mode != AuthMode::None {
-        return Err(ApiError::Forbidden(
-            "jwt admin tokens are not supported yet".into(),
-        ));
+    if state.auth.is_enabled() {
+        return state.auth.check(request, Access::Admin);
     }
     match request.peer_addr() {
         Some(peer) if peer.ip().is_loopback() => Ok(()),

@@ -5,7 +5,7 @@ use actix_web::{web, HttpRequest, HttpResponse};
 use futures_util::StreamExt;
 use serde_json::{json, Map, Value};
 
-use super::{error::ApiError, AppState};
+use super::{auth::Access, error::ApiError, AppState};
 use crate::{
     backend::NewEvent,
     metrics::PublishResult,
@@ -21,6 +21,8 @@ pub async fn publish(
     payload: web::Payload,
     state: web::Data<AppState>,
 ) -> Result<HttpResponse, ApiError> {
+    // Before reading the body: an unauthenticated producer gets nothing buffered.
+    state.auth.check(&request, Access::Publish)?;
     let events = match read_limited(&request, payload, state.config.limits.max_body_bytes)
         .await
         .and_then(|body| parse_batch(&body, &state.config.limits))

@@ -6,7 +6,7 @@ use std::time::Duration;
 use actix_web::{web, HttpRequest, HttpResponse};
 use serde::Deserialize;
 
-use super::{error::ApiError, AppState};
+use super::{auth::Access, error::ApiError, AppState};
 use crate::{
     actors::{
         close_reason::CloseReason,
@@ -35,6 +35,7 @@ pub async fn stream(
         device: device_text,
         source,
     })?;
+    state.auth.check(&request, Access::Stream(&device))?;
     if state.hub.is_draining() {
         return Err(ApiError::Draining);
     }
