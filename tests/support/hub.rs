@@ -351,7 +351,8 @@ impl Drop for Hub {
         self.kill();
         if std::thread::panicking() {
             let log = self.stderr_log();
-            let tail = &log[floor_char_boundary(&log, log.len().saturating_sub(LOG_TAIL_BYTES))..];
+            let tail =
+                &log[super::floor_char_boundary(&log, log.len().saturating_sub(LOG_TAIL_BYTES))..];
             let exit = self
                 .exit
                 .map_or_else(|| "unknown".to_string(), |s| s.to_string());
@@ -367,11 +368,4 @@ impl Drop for Hub {
             let _ = std::fs::remove_file(&self.log_path);
         }
     }
-}
-
-fn floor_char_boundary(s: &str, mut i: usize) -> usize {
-    while !s.is_char_boundary(i) {
-        i -= 1;
-    }
-    i
 }

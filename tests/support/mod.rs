@@ -50,3 +50,28 @@ pub async fn live_stream(hub: &Hub, device: &str) -> SseClient {
     assert_eq!(client.status(), 200, "stream for {device}");
     client
 }
+
+/// A fresh directory under the system temp dir for one server's files (`kind` names the server).
+pub fn unique_temp_dir(kind: &str) -> std::path::PathBuf {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or_default();
+    let dir = std::env::temp_dir().join(format!(
+        "posthorn-{kind}-{}-{n}-{nanos}",
+        std::process::id()
+    ));
+    std::fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("create {}: {e}", dir.display()));
+    dir
+}
+
+/// The largest char boundary at or below `i`, to cut the tail of a log without splitting a char.
+pub fn floor_char_boundary(s: &str, mut i: usize) -> usize {
+    while !s.is_char_boundary(i) {
+        i -= 1;
+    }
+    i
+}

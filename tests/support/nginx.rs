@@ -18,7 +18,6 @@ use std::io;
 use std::net::{Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use tokio::io::AsyncWriteExt;
@@ -115,7 +114,7 @@ impl Nginx {
 
     fn spawn(upstreams: &[SocketAddr], port: u16) -> Nginx {
         let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
-        let dir = unique_dir();
+        let dir = super::unique_temp_dir("nginx");
         let conf = dir.join("nginx.conf");
         std::fs::write(&conf, config(&dir, addr, upstreams))
             .unwrap_or_else(|e| panic!("write {}: {e}", conf.display()));
@@ -232,7 +231,8 @@ impl Drop for Nginx {
         self.stop();
         if std::thread::panicking() {
             let log = self.logs();
-            let tail = &log[floor_char_boundary(&log, log.len().saturating_sub(LOG_TAIL_BYTES))..];
+            let tail =
+                &log[super::floor_char_boundary(&log, log.len().saturating_sub(LOG_TAIL_BYTES))..];
             let exit = self
                 .exit
                 .map_or_else(|| "unknown".to_string(), |s| s.to_string());
@@ -360,26 +360,6 @@ fn read_lossy(path: &Path) -> String {
     std::fs::read(path)
         .map(|b| String::from_utf8_lossy(&b).into_owned())
         .unwrap_or_default()
-}
-
-fn floor_char_boundary(s: &str, mut i: usize) -> usize {
-    while !s.is_char_boundary(i) {
-        i -= 1;
-    }
-    i
-}
-
-fn unique_dir() -> PathBuf {
-    static COUNTER: AtomicU64 = AtomicU64::new(0);
-    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.subsec_nanos())
-        .unwrap_or_default();
-    let dir =
-        std::env::temp_dir().join(format!("posthorn-nginx-{}-{n}-{nanos}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("create {}: {e}", dir.display()));
-    dir
 }
 
 /// Resolves `nginx` on PATH or in /usr/sbin (where Debian puts it and

@@ -15,7 +15,6 @@ use std::io;
 use std::net::{Ipv4Addr, SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -412,7 +411,7 @@ impl RedisBuilder {
             last_exit: None,
             last_pid: None,
             port: 0,
-            dir: unique_dir(),
+            dir: super::unique_temp_dir("redis"),
             builder: self,
         };
         for attempt in 1..=PORT_ATTEMPTS {
@@ -647,7 +646,8 @@ impl Drop for RedisServer {
         self.kill();
         if std::thread::panicking() {
             let log = self.log();
-            let tail = &log[floor_char_boundary(&log, log.len().saturating_sub(LOG_TAIL_BYTES))..];
+            let tail =
+                &log[super::floor_char_boundary(&log, log.len().saturating_sub(LOG_TAIL_BYTES))..];
             let exit = self
                 .last_exit
                 .map_or_else(|| "unknown".to_string(), |s| s.to_string());
@@ -664,26 +664,6 @@ impl Drop for RedisServer {
             let _ = std::fs::remove_dir_all(&self.dir);
         }
     }
-}
-
-fn floor_char_boundary(s: &str, mut i: usize) -> usize {
-    while !s.is_char_boundary(i) {
-        i -= 1;
-    }
-    i
-}
-
-fn unique_dir() -> PathBuf {
-    static COUNTER: AtomicU64 = AtomicU64::new(0);
-    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.subsec_nanos())
-        .unwrap_or_default();
-    let dir =
-        std::env::temp_dir().join(format!("posthorn-redis-{}-{n}-{nanos}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("create {}: {e}", dir.display()));
-    dir
 }
 
 /// Resolves a Redis binary on PATH (or /usr/sbin, which a non-root PATH
