@@ -493,3 +493,49 @@ async fn periodic_trim_bounds_external_streams() {
     }
     drop(hub);
 }
+
+/// Entries appended and trimmed away while the tail could not read (here its user lost the
+/// XREAD permission for a while) are not silently skipped: the connections of that shard get
+/// `resync` `expired`, then the events that are still there.
+#[tokio::test]
+async fn entries_trimmed_during_an_outage_give_resync() {
+    let redis = RedisServer::start().await;
+    let hub = redis_hub(&redis.url()).start().await;
+    let mut client = live_stream(&hub, "pos-4").await;
+    let mut admin = redis.client().await;
+    assert!(admin
+        .cmd(&["ACL", "SETUSER", "producer", "on", ">pw", "~*", "&*", "+@all"])
+        .await
+        .is_ok());
+    let mut producer = redis.client().await;
+    assert!(producer.cmd(&["AUTH", "producer", "pw"]).await.is_ok());
+    // The hub connects as the default user: take its XREAD away, and let its blocked read end.
+    assert!(admin
+        .cmd(&["ACL", "SETUSER", "default", "-xread"])
+        .await
+        .is_ok());
+    admin
+        .cmd(&[
+            "CLIENT", "KILL", "TYPE", "normal", "USER", "default", "SKIPME", "yes",
+        ])
+        .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let key = format!("pos-ev:{}", crc_shard("pos-4", 64));
+    for i in 0..5 {
+        producer
+            .xadd(&key, &[("dev", "pos-4"), ("data", &format!("missed-{i}"))])
+            .await;
+    }
+    producer.cmd(&["XTRIM", &key, "MAXLEN", "1"]).await;
+    assert!(admin
+        .cmd(&["ACL", "SETUSER", "default", "+xread"])
+        .await
+        .is_ok());
+    let event = client.expect_event(WAIT).await;
+    assert_eq!(resync_reason(&event), "expired", "{event:?}");
+    assert_eq!(
+        client.expect_event(WAIT).await.data,
+        "missed-4",
+        "what remains is delivered"
+    );
+}
