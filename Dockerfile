@@ -43,10 +43,14 @@ COPY config/posthorn.toml /etc/posthorn/posthorn.toml
 #
 # SECURE BY DEFAULT: with auth.mode = "none", `posthorn serve` refuses a non-loopback listen
 # address and exits with code 64. The operator must choose, at `docker run` time, one of:
-#   -e POSTHORN_AUTH__MODE=jwt  (with POSTHORN_AUTH__JWT_SECRET or ..._JWT_PUBLIC_KEY_FILE)
+#   -e POSTHORN_AUTH__MODE=jwt  with either -e POSTHORN_AUTH__JWT_SECRET=<HS256 secret> or
+#      -e POSTHORN_AUTH__JWT_PUBLIC_KEY_FILE=<path of a mounted RS256/ES256 public key PEM>
+#      (recommended: streams then need a token whose `sub` is the device, publishing the
+#      `publish` scope and /admin/* the `admin` scope)
 #   -e POSTHORN_SERVER__INSECURE=true  (only behind a trusted network or an authenticating proxy)
-# This build does not implement jwt yet (`serve` refuses auth.mode = jwt with a message), so
-# today only the second works. The image deliberately sets neither.
+# The image deliberately sets neither. /healthz, /readyz and /metrics need no token, so the
+# HEALTHCHECK below works in both modes. `posthorn token` mints HS256 test tokens, e.g.
+#   docker run --rm -e POSTHORN_AUTH__JWT_SECRET=... posthorn token --device pos-17
 ENV POSTHORN_SERVER__LISTEN=0.0.0.0:8080
 EXPOSE 8080
 

@@ -32,6 +32,9 @@ pub struct PublishArgs {
     /// Idempotency key.
     #[arg(long)]
     pub key: Option<String>,
+    /// Bearer token with the `publish` scope (jwt auth).
+    #[arg(long)]
+    pub token: Option<String>,
 }
 
 pub fn run(args: PublishArgs) -> Result<(), CliError> {
@@ -50,10 +53,14 @@ pub fn run(args: PublishArgs) -> Result<(), CliError> {
         event["key"] = json!(key);
     }
     let url = format!("{}/v1/events", base.trim_end_matches('/'));
+    let token = args.token;
     actix_rt::System::new().block_on(async move {
         let client = awc::Client::default();
-        let mut response = client
-            .post(&url)
+        let mut request = client.post(&url);
+        if let Some(token) = &token {
+            request = request.bearer_auth(token);
+        }
+        let mut response = request
             .send_json(&event)
             .await
             .map_err(|error| CliError::Failed(format!("cannot reach {url}: {error}")))?;
