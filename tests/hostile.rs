@@ -1,0 +1,112 @@
+//! Hostile input at the HTTP edge (issue 5): oversized headers, requests that never finish their
+//! headers, and entries external producers wrote with invalid UTF-8. The hub refuses or skips
+//! them and keeps serving everyone else.
+
+mod support;
+
+use std::time::Duration;
+
+use serde_json::json;
+use support::{http, live_stream, metrics, redis::RedisServer, sse::is_closed_within, Hub};
+use tokio::{io::AsyncWriteExt, net::TcpStream};
+
+const WAIT: Duration = Duration::from_secs(20);
+
+/// A request whose headers are far beyond the server's limit is refused (431) and dropped; a
+/// connected client is not affected.
+#[tokio::test]
+async fn huge_headers_are_refused() {
+    let hub = Hub::builder().start().await;
+    let mut client = live_stream(&hub, "pos-1").await;
+    let huge = "x".repeat(200 * 1024);
+    let response = http::try_request(
+        hub.addr(),
+        "GET",
+        "/healthz",
+        &[("X-Huge", &huge)],
+        None,
+        WAIT,
+    )
+    .await;
+    match response {
+        Ok(response) => assert_eq!(response.status, 431, "{}", response.text()),
+        // Refusing may also mean closing before the client finished sending.
+        Err(error) => assert!(
+            matches!(
+                error.kind(),
+                std::io::ErrorKind::ConnectionReset
+                    | std::io::ErrorKind::BrokenPipe
+                    | std::io::ErrorKind::UnexpectedEof
+            ),
+            "{error}"
+        ),
+    }
+    let published = http::post_json(
+        hub.addr(),
+        "/v1/events",
+        &json!({ "device": "pos-1", "data": "still here" }),
+    )
+    .await;
+    assert_eq!(published.status, 201);
+    assert_eq!(client.expect_event(WAIT).await.data, "still here");
+}
+
+/// A client that starts a request and never finishes its headers is disconnected by the
+/// server's header timeout instead of holding a connection forever.
+#[tokio::test]
+async fn unfinished_headers_time_out() {
+    let hub = Hub::builder().start().await;
+    let mut stream = TcpStream::connect(hub.addr()).await.unwrap();
+    stream
+        .write_all(b"GET /v1/devices/pos-1/events HTTP/1.1\r\nHost: x\r\n")
+        .await
+        .unwrap();
+    assert!(
+        is_closed_within(&mut stream, WAIT).await,
+        "the half-sent request must be dropped"
+    );
+}
+
+/// Entries with invalid UTF-8 data written by an external producer are skipped and counted; the
+/// tail keeps running and delivers the next valid entry.
+#[tokio::test]
+async fn invalid_utf8_entries_are_skipped() {
+    let redis = RedisServer::start().await;
+    let hub = Hub::builder()
+        .env("POSTHORN_BACKEND__KIND", "redis")
+        .env("POSTHORN_REDIS__URL", redis.url())
+        .env("POSTHORN_REDIS__BLOCK", "1s")
+        .start()
+        .await;
+    let mut client = live_stream(&hub, "pos-1").await;
+    let key = format!("pos-ev:{}", crc32fast::hash(b"pos-1") % 64);
+    let mut producer = redis.client().await;
+    producer
+        .cmd_bytes(&[
+            b"XADD",
+            key.as_bytes(),
+            b"*",
+            b"dev",
+            b"pos-1",
+            b"data",
+            &[0xff, 0xfe, 0x00],
+        ])
+        .await;
+    producer
+        .cmd_bytes(&[
+            b"XADD",
+            key.as_bytes(),
+            b"*",
+            b"dev",
+            &[0xc3, 0x28],
+            b"data",
+            b"x",
+        ])
+        .await;
+    producer
+        .xadd(&key, &[("dev", "pos-1"), ("data", "valid")])
+        .await;
+    assert_eq!(client.expect_event(WAIT).await.data, "valid");
+    let scrape = metrics::scrape(hub.addr()).await;
+    assert_eq!(scrape.value("tail_entries_skipped_total", &[]), Some(2.0));
+}
