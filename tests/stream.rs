@@ -359,3 +359,17 @@ async fn connection_limit_refuses_extra_streams_only() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+/// An empty payload is valid text: it is accepted and arrives as an event with empty data (a
+/// `data:` line with nothing after it is still dispatched by WHATWG parsers).
+#[tokio::test]
+async fn empty_payload_is_delivered() {
+    let hub = Hub::builder().start().await;
+    let mut client = SseClient::connect(hub.addr(), &stream_path("pos-1"), &[]).await;
+    let id = publish_to(&hub, "pos-1", "").await;
+    let event = client.expect_event(WAIT).await;
+    assert_eq!(
+        (event.id.as_deref(), event.data.as_str()),
+        (Some(id.as_str()), "")
+    );
+}

@@ -180,12 +180,6 @@ fn parse_item(
         Some(Value::String(text)) => text,
         Some(other) => other.to_string(),
     };
-    if data.is_empty() {
-        return Err(invalid(
-            "data",
-            "must not be empty (an SSE client would not dispatch it)".into(),
-        ));
-    }
     if data.len() > max_event_bytes {
         return Err(ApiError::FieldTooLarge {
             index,
