@@ -56,6 +56,17 @@ pub fn check_servable(config: &Config) -> Result<(), ServeError> {
             config.server.listen
         )));
     }
+    let redis_urls = std::iter::once(&config.redis.url).chain(&config.redis.urls);
+    if config.backend.kind == BackendKind::Redis
+        && redis_urls.clone().any(|url| url.starts_with("rediss://"))
+    {
+        // fred is built without a TLS feature: a rediss:// URL would silently connect in plain text.
+        return Err(ServeError::Unservable(
+            "redis.url / redis.urls: rediss:// (TLS) is not supported by this build; use redis:// \
+             through a TLS tunnel or sidecar, or a private network"
+                .into(),
+        ));
+    }
     if config.backend.kind == BackendKind::Nats {
         return Err(ServeError::Unservable(
             "backend.kind = nats is not available in this build yet; use memory or redis".into(),
