@@ -363,3 +363,55 @@ async fn token_command_and_secure_defaults() {
     let _ = open.kill();
     let _ = open.wait();
 }
+
+/// Tokens never reach the log, even at debug level, whether sent in the header or the query.
+#[tokio::test]
+async fn tokens_are_not_logged() {
+    let hub = Hub::builder()
+        .env("RUST_LOG", "debug")
+        .env("POSTHORN_AUTH__MODE", "jwt")
+        .env("POSTHORN_AUTH__JWT_SECRET", SECRET)
+        .start()
+        .await;
+    let good = hs256(json!({ "sub": "pos-1", "exp": now() + 600 }));
+    let wrong_device = hs256(json!({ "sub": "pos-2", "exp": now() + 600 }));
+    let client = SseClient::connect(
+        hub.addr(),
+        &format!("{}?token={good}", stream_path("pos-1")),
+        &[],
+    )
+    .await;
+    assert_eq!(client.status(), 200);
+    drop(client);
+    let bearer = format!("Bearer {wrong_device}");
+    http::request(
+        hub.addr(),
+        "GET",
+        &stream_path("pos-1"),
+        &[("Authorization", &bearer)],
+        None,
+    )
+    .await;
+    http::request(
+        hub.addr(),
+        "GET",
+        &format!("{}?token=garbage-token-text", stream_path("pos-1")),
+        &[],
+        None,
+    )
+    .await;
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    let log = hub.stderr_log();
+    assert!(log.contains("DEBUG"), "debug logging is on");
+    for secret in [
+        good.as_str(),
+        wrong_device.as_str(),
+        "garbage-token-text",
+        SECRET,
+    ] {
+        assert!(
+            !log.contains(secret),
+            "a token or the secret appeared in the log"
+        );
+    }
+}
