@@ -204,8 +204,8 @@ async fn admin_needs_the_admin_scope() {
     assert_eq!(drain.status, 202);
 }
 
-/// With an ES256 public key, tokens signed by the matching private key are accepted and HS256
-/// tokens are not.
+/// With an ES256 (and, below, an RS256) public key, tokens signed by the matching private key
+/// are accepted and HS256 tokens are not.
 #[tokio::test]
 async fn es256_public_keys_verify_tokens() {
     let dir = std::env::temp_dir().join(format!("posthorn-keys-{}", rand::random::<u64>()));
@@ -263,6 +263,56 @@ async fn es256_public_keys_verify_tokens() {
     let path = format!("{}?token={token}", stream_path("pos-1"));
     assert_eq!(stream_status(&hub, &path, &[]).await.0, 200);
     let hs = hs256(json!({ "sub": "pos-1", "exp": now() + 600 }));
+    assert_eq!(
+        stream_status(&hub, &format!("{}?token={hs}", stream_path("pos-1")), &[])
+            .await
+            .0,
+        401
+    );
+    drop(hub);
+
+    run(&[
+        "genpkey",
+        "-algorithm",
+        "RSA",
+        "-pkeyopt",
+        "rsa_keygen_bits:2048",
+        "-out",
+        dir.join("rsa.pem").to_str().unwrap(),
+    ]);
+    run(&[
+        "pkey",
+        "-in",
+        dir.join("rsa.pem").to_str().unwrap(),
+        "-pubout",
+        "-out",
+        dir.join("rsa.pub").to_str().unwrap(),
+    ]);
+    let hub = Hub::builder()
+        .env("POSTHORN_AUTH__MODE", "jwt")
+        .env(
+            "POSTHORN_AUTH__JWT_PUBLIC_KEY_FILE",
+            dir.join("rsa.pub").to_str().unwrap(),
+        )
+        .start()
+        .await;
+    let key = EncodingKey::from_rsa_pem(&std::fs::read(dir.join("rsa.pem")).unwrap()).unwrap();
+    let token = jsonwebtoken::encode(
+        &Header::new(Algorithm::RS256),
+        &json!({ "sub": "pos-1", "exp": now() + 600 }),
+        &key,
+    )
+    .unwrap();
+    assert_eq!(
+        stream_status(
+            &hub,
+            &format!("{}?token={token}", stream_path("pos-1")),
+            &[]
+        )
+        .await
+        .0,
+        200
+    );
     assert_eq!(
         stream_status(&hub, &format!("{}?token={hs}", stream_path("pos-1")), &[])
             .await

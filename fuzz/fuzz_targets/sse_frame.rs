@@ -23,5 +23,8 @@ fuzz_target!(|input: &[u8]| {
     assert_eq!(events.len(), 1, "{bytes:?}");
     assert_eq!(events[0].id.as_deref(), Some("e0.1.2-3"));
     assert_eq!(events[0].event_type, "kind");
-    assert_eq!(events[0].data, data.replace("\r\n", "\n").replace('\r', "\n"));
+    assert_eq!(
+        events[0].data,
+        data.replace("\r\n", "\n").replace('\r', "\n")
+    );
 });

@@ -42,11 +42,46 @@ fn require_admin(request: &HttpRequest, state: &AppState) -> Result<(), ApiError
     if state.auth.is_enabled() {
         return state.auth.check(request, Access::Admin);
     }
-    match request.peer_addr() {
+    admin_without_auth(request.peer_addr())
+}
+
+/// Without authentication only a client on this machine may drain it or read its status.
+fn admin_without_auth(peer: Option<std::net::SocketAddr>) -> Result<(), ApiError> {
+    match peer {
         Some(peer) if peer.ip().is_loopback() => Ok(()),
         _ => Err(ApiError::Forbidden(
             "admin endpoints are only served to loopback clients when auth.mode is none".into(),
         )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// With auth `none`, admin endpoints answer loopback peers (IPv4 and IPv6) and nobody else.
+    /// (Black-box tests can only connect from loopback here; they cover the allowed side.)
+    #[test]
+    fn admin_without_auth_is_loopback_only() {
+        for allowed in ["127.0.0.1:5000", "127.0.0.2:1", "[::1]:80"] {
+            assert!(
+                admin_without_auth(Some(allowed.parse().unwrap())).is_ok(),
+                "{allowed}"
+            );
+        }
+        for refused in [
+            "10.0.0.7:5000",
+            "192.168.1.2:1",
+            "[2001:db8::1]:80",
+            "0.0.0.0:1",
+        ] {
+            let error = admin_without_auth(Some(refused.parse().unwrap())).unwrap_err();
+            assert!(matches!(error, ApiError::Forbidden(_)), "{refused}");
+        }
+        assert!(
+            admin_without_auth(None).is_err(),
+            "an unknown peer is not trusted"
+        );
     }
 }
 
