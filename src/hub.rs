@@ -79,18 +79,8 @@ pub fn check_servable(config: &Config) -> Result<(), ServeError> {
 const MEMORY_TAIL_BATCH: usize = 500;
 
 pub fn redis_settings(config: &Config) -> RedisSettings {
-    let redis = &config.redis;
     RedisSettings {
-        url: redis.url.clone(),
-        urls: redis.urls.clone(),
-        cluster: redis.cluster,
-        groups: redis.groups,
-        shards: redis.shards,
-        prefix: redis.prefix.clone(),
-        block: redis.block,
-        count: redis.count,
-        retention: redis.retention,
-        max_len: redis.max_len,
+        redis: config.redis.clone(),
         dedupe_window: config.publish.dedupe_window,
     }
 }

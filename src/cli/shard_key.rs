@@ -1,6 +1,7 @@
 //! `posthorn shard-key DEVICE`: where a device's events live under the active configuration.
 
 use super::{CliError, ConfigArg};
+use crate::backend::redis::layout_of;
 use crate::{
     config::Config,
     model::{shard_of, DeviceId},
@@ -16,9 +17,7 @@ pub struct ShardKeyArgs {
 
 /// The Redis stream key of a shard (SPEC 3), as the Redis backend writes it.
 pub fn stream_key(config: &Config, shard: u32) -> String {
-    crate::hub::redis_settings(config)
-        .layout()
-        .stream_key(shard)
+    layout_of(&config.redis).stream_key(shard)
 }
 
 pub fn run(args: ShardKeyArgs) -> Result<(), CliError> {
@@ -29,12 +28,8 @@ pub fn run(args: ShardKeyArgs) -> Result<(), CliError> {
     let shard = shard_of(device.as_str(), config.redis.shards);
     let mut line = format!("shard={shard} key={}", stream_key(&config, shard));
     if !config.redis.urls.is_empty() {
-        let instance =
-            u64::from(shard) * config.redis.urls.len() as u64 / u64::from(config.redis.shards);
-        line.push_str(&format!(
-            " instance={}",
-            config.redis.urls[instance as usize]
-        ));
+        let group = layout_of(&config.redis).group_of(shard);
+        line.push_str(&format!(" instance={}", config.redis.urls[group]));
     }
     println!("{line}");
     Ok(())

@@ -37,40 +37,40 @@ pub use layout::Layout;
 use super::{
     Appended, Backend, BackendError, BackendResult, NewEvent, ShardState, StoredEvent, Tail,
 };
-use crate::model::{Cursor, Epoch, Position, Target};
+use crate::{
+    config::RedisConfig,
+    model::{Cursor, Epoch, Position, Target},
+};
 
 /// How long start-up waits for each Redis connection.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// Longest wait for any command but the tails' blocking reads.
 const COMMAND_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// The validated `[redis]` section plus the idempotency window of `[publish]`.
 #[derive(Debug, Clone)]
 pub struct RedisSettings {
-    pub url: String,
-    pub urls: Vec<String>,
-    pub cluster: bool,
-    pub groups: u32,
-    pub shards: u32,
-    pub prefix: String,
-    pub block: Duration,
-    pub count: usize,
-    pub retention: Duration,
-    pub max_len: usize,
+    pub redis: RedisConfig,
     pub dedupe_window: Duration,
 }
 
 impl RedisSettings {
     pub fn layout(&self) -> Layout {
-        Layout {
-            prefix: self.prefix.clone(),
-            shards: self.shards,
-            groups: if self.cluster {
-                self.groups
-            } else {
-                self.urls.len().max(1) as u32
-            },
-            cluster: self.cluster,
-        }
+        layout_of(&self.redis)
+    }
+}
+
+/// Where shards live for a `[redis]` configuration (also used by `posthorn shard-key`).
+pub fn layout_of(redis: &RedisConfig) -> Layout {
+    Layout {
+        prefix: redis.prefix.clone(),
+        shards: redis.shards,
+        groups: if redis.cluster {
+            redis.groups
+        } else {
+            redis.urls.len().max(1) as u32
+        },
+        cluster: redis.cluster,
     }
 }
 
@@ -119,15 +119,16 @@ fn build_client(config: Config) -> Result<Client, BackendError> {
 impl RedisBackend {
     /// Connects every client; fails when Redis cannot be reached within [`CONNECT_TIMEOUT`].
     pub async fn connect(settings: RedisSettings) -> BackendResult<Self> {
-        let clients = if settings.cluster {
-            let config = Config::from_url_clustered(&settings.url).map_err(unavailable)?;
+        let redis = &settings.redis;
+        let clients = if redis.cluster {
+            let config = Config::from_url_clustered(&redis.url).map_err(unavailable)?;
             vec![build_client(config)?]
-        } else if settings.urls.is_empty() {
+        } else if redis.urls.is_empty() {
             vec![build_client(
-                Config::from_url_centralized(&settings.url).map_err(unavailable)?,
+                Config::from_url_centralized(&redis.url).map_err(unavailable)?,
             )?]
         } else {
-            settings
+            redis
                 .urls
                 .iter()
                 .map(|url| build_client(Config::from_url_centralized(url).map_err(unavailable)?))
@@ -357,7 +358,7 @@ impl Inner {
 
     fn minid(&self) -> String {
         now_ms()
-            .saturating_sub(self.settings.retention.as_millis() as u64)
+            .saturating_sub(self.settings.redis.retention.as_millis() as u64)
             .to_string()
     }
 
@@ -390,7 +391,7 @@ impl Inner {
             let mut args = vec![
                 Value::from(Epoch::random().as_str()),
                 Value::from(self.minid()),
-                Value::from(self.settings.max_len as i64),
+                Value::from(self.settings.redis.max_len as i64),
                 Value::from(self.settings.dedupe_window.as_millis() as i64),
                 Value::from(call.answers.len() as i64),
             ];
@@ -443,7 +444,7 @@ impl Inner {
             let key = self.layout.stream_key(shard);
             for (strategy, threshold) in [
                 ("MINID", Value::from(minid.as_str())),
-                ("MAXLEN", Value::from(self.settings.max_len as i64)),
+                ("MAXLEN", Value::from(self.settings.redis.max_len as i64)),
             ] {
                 let args = vec![
                     Value::from(key.as_str()),

@@ -109,12 +109,12 @@ impl RedisTail {
         if self.check_due || self.last_check.elapsed() >= CHECK_EVERY {
             self.check(&mut batch.gaps).await?;
         }
-        let block = self.inner.settings.block;
+        let block = self.inner.settings.redis.block;
         let mut args = vec![
             Value::from("BLOCK"),
             Value::from(block.as_millis() as i64),
             Value::from("COUNT"),
-            Value::from(self.inner.settings.count as i64),
+            Value::from(self.inner.settings.redis.count as i64),
             Value::from("STREAMS"),
         ];
         args.extend(self.keys.iter().map(|key| Value::from(key.as_str())));
