@@ -154,7 +154,6 @@ pub fn serve(config: Config) -> Result<(), ServeError> {
         let shutdown = Shutdown::new(
             hub.clone(),
             router.clone().recipient(),
-            router.clone().recipient(),
             tail_stops,
             config.drain.clone(),
             metrics.clone(),

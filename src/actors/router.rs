@@ -3,7 +3,7 @@
 //! Owns: one map per shard from device to its connection's queue sender (the same queue its SSE
 //! body drains), plus the heartbeat schedule.
 //! Receives: [`Register`] / [`Unregister`] from Connections; [`RouteBatch`] from StreamTails (its
-//! bounded mailbox is the tails' backpressure); [`Snapshot`] and [`Count`] from Shutdown and the
+//! bounded mailbox is the tails' backpressure); [`Snapshot`] from Shutdown and the
 //! status page.
 //! Sends: events and pings by `try_send` into connection queues (never a wait, never a mailbox);
 //! [`Close`] to a Connection whose queue overflowed (`SlowConsumer`) or that a newer connection of
@@ -71,10 +71,6 @@ pub struct Unregister {
 #[rtype(result = "Vec<DrainTarget>")]
 pub struct Snapshot;
 
-#[derive(Message)]
-#[rtype(result = "usize")]
-pub struct Count;
-
 struct Route {
     connection_id: u64,
     queue: mpsc::Sender<QueueItem>,
@@ -84,7 +80,6 @@ struct Route {
 pub struct Router {
     /// Connections per shard, so a broadcast copy visits only the devices of its shard.
     shards: Vec<HashMap<DeviceId, Route>>,
-    connections: usize,
     heartbeat: Duration,
     /// Counts heartbeat slices; connection ids modulo `HEARTBEAT_SLICES` pick their slice.
     heartbeat_tick: u64,
@@ -95,7 +90,6 @@ impl Router {
     pub fn new(shards: u32, heartbeat: Duration, metrics: Arc<Metrics>) -> Self {
         Self {
             shards: (0..shards).map(|_| HashMap::new()).collect(),
-            connections: 0,
             heartbeat,
             heartbeat_tick: 0,
             metrics,
@@ -159,9 +153,7 @@ impl Router {
     }
 
     fn remove(&mut self, shard: u32, device: &DeviceId) -> Option<Route> {
-        let route = self.shards[shard as usize].remove(device)?;
-        self.connections -= 1;
-        Some(route)
+        self.shards[shard as usize].remove(device)
     }
 
     fn ping_slice(&mut self) {
@@ -234,12 +226,12 @@ impl Handler<Register> for Router {
             queue: register.queue,
             control: register.control,
         };
-        match self.shards[register.shard as usize].insert(register.device, route) {
-            Some(previous) => previous
+        if let Some(previous) = self.shards[register.shard as usize].insert(register.device, route)
+        {
+            previous
                 .control
                 .close
-                .do_send(Close::now(CloseReason::Takeover)),
-            None => self.connections += 1,
+                .do_send(Close::now(CloseReason::Takeover));
         }
     }
 }
@@ -271,13 +263,5 @@ impl Handler<Snapshot> for Router {
                 .map(|route| route.control.clone())
                 .collect(),
         )
-    }
-}
-
-impl Handler<Count> for Router {
-    type Result = usize;
-
-    fn handle(&mut self, _: Count, _: &mut Context<Self>) -> usize {
-        self.connections
     }
 }

@@ -2,7 +2,7 @@
 //!
 //! Owns: the drain plan and its status, the HTTP server handle, the signal listener.
 //! Receives: [`StartDrain`] (signal listener, admin endpoint), [`AttachServer`] (start-up).
-//! Sends: [`Snapshot`] / [`Count`] to the Router, [`AnnounceRetry`] then [`Close`] to Connections, [`StopTail`]
+//! Sends: [`Snapshot`] to the Router, [`AnnounceRetry`] then [`Close`] to Connections, [`StopTail`]
 //! to the tails, and finally stops the HTTP server (the process then exits 0).
 //! Sequence: readiness off and new streams refused at once (`HubState::start_draining`); after
 //! `drain.readiness_delay`, every connection is sent its own `retry:` drawn uniformly from
@@ -26,7 +26,7 @@ use serde::Serialize;
 use super::{
     close_reason::CloseReason,
     connection::{AnnounceRetry, Close, HubState},
-    router::{Count, Snapshot},
+    router::Snapshot,
     stream_tail::StopTail,
 };
 use crate::{config::DrainConfig, metrics::Metrics};
@@ -77,7 +77,6 @@ pub fn close_rate(connections: usize, min_rate: u32, budget: Duration) -> f64 {
 pub struct Shutdown {
     hub: Arc<HubState>,
     snapshot: Recipient<Snapshot>,
-    count: Recipient<Count>,
     tails: Vec<Recipient<StopTail>>,
     server: Option<ServerHandle>,
     config: DrainConfig,
@@ -93,7 +92,6 @@ impl Shutdown {
     pub fn new(
         hub: Arc<HubState>,
         snapshot: Recipient<Snapshot>,
-        count: Recipient<Count>,
         tails: Vec<Recipient<StopTail>>,
         config: DrainConfig,
         metrics: Arc<Metrics>,
@@ -101,7 +99,6 @@ impl Shutdown {
         Self {
             hub,
             snapshot,
-            count,
             tails,
             server: None,
             config,
@@ -195,7 +192,6 @@ impl Handler<StartDrain> for Shutdown {
             started: Instant::now(),
             config: self.config.clone(),
             snapshot: self.snapshot.clone(),
-            count: self.count.clone(),
             tails: self.tails.clone(),
             status: self.status.clone(),
             metrics: self.metrics.clone(),
@@ -219,7 +215,6 @@ struct Drain {
     started: Instant,
     config: DrainConfig,
     snapshot: Recipient<Snapshot>,
-    count: Recipient<Count>,
     tails: Vec<Recipient<StopTail>>,
     status: SharedDrainStatus,
     metrics: Arc<Metrics>,
@@ -294,7 +289,9 @@ impl Drain {
 
         // Done when no connection is routed any more and every response has been written out.
         let completed = loop {
-            if self.count.send(Count).await.unwrap_or(0) == 0 && self.hub.open_streams() == 0 {
+            // Every routed connection has a live response body, so no open stream also means
+            // no connection left in the Router.
+            if self.hub.open_streams() == 0 {
                 break true;
             }
             if Instant::now() >= deadline {

@@ -34,10 +34,6 @@ impl ReconnectPolicy {
         self.retry = retry;
     }
 
-    pub fn healthy(&mut self) {
-        self.failures = 0;
-    }
-
     pub fn failures(&self) -> u32 {
         self.failures
     }

@@ -53,10 +53,6 @@ impl DeviceId {
     pub fn as_str(&self) -> &str {
         &self.0
     }
-
-    pub fn as_arc(&self) -> &Arc<str> {
-        &self.0
-    }
 }
 
 impl fmt::Display for DeviceId {

@@ -157,6 +157,8 @@ impl MessageBody for SseBody {
             return Poll::Ready(Some(Ok(prelude)));
         }
         let mut chunk = Chunk::default();
+        // Counted per chunk: one shared atomic update per write, not one per event.
+        let (mut events, mut pings) = (0, 0);
         while !this.ended && chunk.len() < MAX_CHUNK {
             let Some((item, replaying)) = this.poll_item(cx) else {
                 break;
@@ -169,18 +171,24 @@ impl MessageBody for SseBody {
                     if replaying {
                         this.floor = Some(this.floor.map_or(position, |floor| floor.max(position)));
                     }
-                    this.metrics.sse_events_sent.inc();
+                    events += 1;
                     chunk.push(frame);
                 }
                 QueueItem::Floor(position) => {
                     this.floor = Some(this.floor.map_or(position, |floor| floor.max(position)));
                 }
                 QueueItem::Ping => {
-                    this.metrics.sse_heartbeats_sent.inc();
+                    pings += 1;
                     chunk.push(frame::PING);
                 }
                 QueueItem::Retry(retry_ms) => chunk.push(frame::retry(retry_ms)),
             }
+        }
+        if events > 0 {
+            this.metrics.sse_events_sent.inc_by(events);
+        }
+        if pings > 0 {
+            this.metrics.sse_heartbeats_sent.inc_by(pings);
         }
         // Every sender is gone: a clean end (drain) tells the client when to come back.
         if this.ended && !this.control.is_aborted() {

@@ -164,25 +164,29 @@ async fn init(client: &Client) -> BackendResult<()> {
     }
 }
 
-const ENSURE_EPOCH: &str = r#"
+/// Reads the group's epoch (`KEYS[1]`), writing the fresh one in `ARGV[1]` when it is missing:
+/// a Redis that lost its data lost this key too. Shared by both scripts below.
+macro_rules! ensure_epoch_lua {
+    () => {
+        r#"
 local epoch = redis.call('GET', KEYS[1])
 if not epoch then
   redis.call('SET', KEYS[1], ARGV[1])
   epoch = ARGV[1]
 end
-return epoch
-"#;
+"#
+    };
+}
+
+const ENSURE_EPOCH: &str = concat!(ensure_epoch_lua!(), "return epoch\n");
 
 /// KEYS[1] = epoch key, then every stream and dedupe key the items refer to (one slot).
 /// ARGV: new epoch, MINID threshold, MAXLEN cap, dedupe window (ms), item count, then per item:
 /// dedupe key index (0 = none), dev, type, data, key, stream count, stream key indexes...
 /// Returns {epoch, id, duplicate (0/1), id, duplicate, ...}: the first stream's id per item.
-const APPEND: &str = r#"
-local epoch = redis.call('GET', KEYS[1])
-if not epoch then
-  redis.call('SET', KEYS[1], ARGV[1])
-  epoch = ARGV[1]
-end
+const APPEND: &str = concat!(
+    ensure_epoch_lua!(),
+    r#"
 local out = {epoch}
 local at = 6
 for _ = 1, tonumber(ARGV[5]) do
@@ -215,7 +219,8 @@ for _ = 1, tonumber(ARGV[5]) do
   end
 end
 return out
-"#;
+"#
+);
 
 /// The script call of one group: its keys, arguments, and which request item each answer is for.
 struct GroupCall {
