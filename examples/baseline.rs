@@ -55,6 +55,22 @@ async fn open_stream(addr: SocketAddr, index: usize, device: String) -> TcpStrea
     stream
 }
 
+/// Opens `count` streams, 500 at a time, device `i` named by `device(i)`.
+async fn open_streams(
+    addr: SocketAddr,
+    count: usize,
+    device: impl Fn(usize) -> String,
+) -> Vec<TcpStream> {
+    let mut streams = Vec::with_capacity(count);
+    for chunk in (0..count).collect::<Vec<_>>().chunks(500) {
+        streams.extend(
+            futures_util::future::join_all(chunk.iter().map(|&i| open_stream(addr, i, device(i))))
+                .await,
+        );
+    }
+    streams
+}
+
 async fn post(addr: SocketAddr, body: &str) {
     let mut stream = TcpStream::connect(addr).await.expect("connect publisher");
     let request = format!(
@@ -77,16 +93,7 @@ async fn post(addr: SocketAddr, body: &str) {
 async fn idle(addr: SocketAddr, connections: usize, pid: u32) {
     let before = rss_kib(pid);
     let started = Instant::now();
-    let mut streams = Vec::with_capacity(connections);
-    for chunk in (0..connections).collect::<Vec<_>>().chunks(500) {
-        let opened = futures_util::future::join_all(
-            chunk
-                .iter()
-                .map(|&i| open_stream(addr, i, format!("idle-{i}"))),
-        )
-        .await;
-        streams.extend(opened);
-    }
+    let streams = open_streams(addr, connections, |i| format!("idle-{i}")).await;
     let connect_seconds = started.elapsed().as_secs_f64();
     tokio::time::sleep(Duration::from_secs(3)).await;
     let open = rss_kib(pid);
@@ -126,17 +133,7 @@ async fn count_events(mut stream: TcpStream, counter: Arc<AtomicU64>, target: u6
 /// Publishes `rate` broadcasts per second for `seconds` (one batch every 10 ms) to `connections`
 /// streams; each broadcast is one delivery per connection.
 async fn fanout(addr: SocketAddr, connections: usize, rate: u64, seconds: u64, size: usize) {
-    let mut streams = Vec::with_capacity(connections);
-    for chunk in (0..connections).collect::<Vec<_>>().chunks(500) {
-        streams.extend(
-            futures_util::future::join_all(
-                chunk
-                    .iter()
-                    .map(|&i| open_stream(addr, i, format!("fan-{i}"))),
-            )
-            .await,
-        );
-    }
+    let streams = open_streams(addr, connections, |i| format!("fan-{i}")).await;
     let events = rate * seconds;
     let delivered = Arc::new(AtomicU64::new(0));
     let readers: Vec<_> = streams
@@ -250,17 +247,7 @@ async fn latency(addr: SocketAddr, redis: SocketAddr, connections: usize, rate: 
     let devices: Vec<String> = (0..connections).map(|i| format!("lat-{i}")).collect();
     let events = (rate * seconds) as usize;
     let per_device = events / connections;
-    let mut streams = Vec::with_capacity(connections);
-    for chunk in (0..connections).collect::<Vec<_>>().chunks(500) {
-        streams.extend(
-            futures_util::future::join_all(
-                chunk
-                    .iter()
-                    .map(|&i| open_stream(addr, i, devices[i].clone())),
-            )
-            .await,
-        );
-    }
+    let streams = open_streams(addr, connections, |i| devices[i].clone()).await;
     let samples = Arc::new(std::sync::Mutex::new(Vec::with_capacity(events)));
     let readers: Vec<_> = streams
         .into_iter()
@@ -355,17 +342,7 @@ async fn until_closed(mut stream: TcpStream, started: Instant) -> (Duration, Opt
 }
 
 async fn drain(addr: SocketAddr, connections: usize, pid: u32) {
-    let mut streams = Vec::with_capacity(connections);
-    for chunk in (0..connections).collect::<Vec<_>>().chunks(500) {
-        streams.extend(
-            futures_util::future::join_all(
-                chunk
-                    .iter()
-                    .map(|&i| open_stream(addr, i, format!("drain-{i}"))),
-            )
-            .await,
-        );
-    }
+    let streams = open_streams(addr, connections, |i| format!("drain-{i}")).await;
     let started = Instant::now();
     let readers: Vec<_> = streams
         .into_iter()

@@ -108,6 +108,15 @@ impl Drop for Tail {
     }
 }
 
+/// The `reconnecting in N ms` delays `posthorn tail` reported on stderr, in order.
+fn reconnect_delays(stderr: &str) -> Vec<u64> {
+    stderr
+        .lines()
+        .filter_map(|line| line.split("reconnecting in ").nth(1))
+        .filter_map(|rest| rest.split(' ').next()?.parse().ok())
+        .collect()
+}
+
 fn data_column(lines: &[String]) -> Vec<String> {
     lines
         .iter()
@@ -193,12 +202,7 @@ async fn drain_retry_is_honoured() {
     let drain = http::request(hub.addr(), "POST", "/admin/drain?exit=false", &[], None).await;
     assert_eq!(drain.status, 202);
     let err = tail.wait_stderr("reconnecting in").await;
-    let delay: u64 = err
-        .split("reconnecting in ")
-        .nth(1)
-        .and_then(|rest| rest.split(' ').next())
-        .and_then(|ms| ms.parse().ok())
-        .expect("a delay");
+    let delay = reconnect_delays(&err)[0];
     assert!(
         (2000..=3000).contains(&delay),
         "reconnect delay {delay} ms ignores the drain's retry"
@@ -263,11 +267,7 @@ async fn failures_back_off_with_a_floor() {
     let tail = Tail::start(&format!("http://127.0.0.1:{port}"), "pos-1", &[]);
     tokio::time::sleep(Duration::from_secs(4)).await;
     let err = tail.stderr();
-    let delays: Vec<u64> = err
-        .lines()
-        .filter_map(|line| line.split("reconnecting in ").nth(1))
-        .filter_map(|rest| rest.split(' ').next()?.parse().ok())
-        .collect();
+    let delays = reconnect_delays(&err);
     assert!(!delays.is_empty(), "{err}");
     assert!(delays.len() <= 4, "more than one attempt per second: {err}");
     assert!(
@@ -304,12 +304,7 @@ async fn retry_after_of_a_503_is_honoured() {
     let tail = Tail::start(&hub.base_url(), "pos-2", &[]);
     let err = tail.wait_stderr("reconnecting in").await;
     assert!(err.contains("the hub answered 503"), "{err}");
-    let delay: u64 = err
-        .split("reconnecting in ")
-        .nth(1)
-        .and_then(|rest| rest.split(' ').next())
-        .and_then(|ms| ms.parse().ok())
-        .expect("a delay");
+    let delay = reconnect_delays(&err)[0];
     assert!(
         delay >= 5000,
         "Retry-After: 5 means at least 5000 ms, got {delay}"
