@@ -10,6 +10,7 @@
 //! - [`metrics`]: every Prometheus metric.
 //! - [`hub`]: wiring and the `serve` entry point.
 //! - [`cli`]: the subcommands of the `posthorn` binary.
+//! - [`loadtest`]: the load tester (`posthorn loadtest`).
 
 pub mod actors;
 pub mod backend;
@@ -18,6 +19,7 @@ pub mod client;
 pub mod config;
 pub mod http;
 pub mod hub;
+pub mod loadtest;
 pub mod metrics;
 pub mod model;
 pub mod sse;

@@ -39,6 +39,8 @@ pub enum Command {
     Tail(tail::TailArgs),
     /// Mint a JWT with the configured HS256 secret (device or scopes).
     Token(token::TokenArgs),
+    /// Load tester: idle, storm, fanout, slow and drain scenarios against posthorn or nchan.
+    Loadtest(crate::loadtest::LoadtestArgs),
 }
 
 #[derive(Debug, Error)]
@@ -85,5 +87,6 @@ pub fn run(cli: Cli) -> Result<(), CliError> {
         Command::ShardKey(args) => shard_key::run(args),
         Command::Tail(args) => tail::run(args),
         Command::Token(args) => token::run(args),
+        Command::Loadtest(args) => crate::loadtest::run(args),
     }
 }

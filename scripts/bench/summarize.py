@@ -1,0 +1,95 @@
+#!/usr/bin/env python3
+"""Turns scripts/bench/compare's results.jsonl into a markdown summary with posthorn/nchan ratios."""
+import json
+import sys
+
+
+def load(path):
+    runs = {}
+    with open(path) as lines:
+        for line in lines:
+            line = line.strip()
+            if line:
+                record = json.loads(line)
+                runs[(record["label"], record["peer"])] = record["result"]
+    return runs
+
+
+def ratio(a, b):
+    if a is None or b in (None, 0):
+        return "-"
+    return f"{a / b:.2f}"
+
+
+def num(value, digits=0):
+    if value is None:
+        return "-"
+    return f"{value:,.{digits}f}"
+
+
+def main(path):
+    runs = load(path)
+    get = lambda label, peer: runs.get((label, peer))
+    rows = []
+
+    def row(name, label, pick, digits=0, better="higher"):
+        p, n = get(label, "posthorn"), get(label, "nchan")
+        pv = pick(p) if p else None
+        nv = pick(n) if n else None
+        rows.append((name, num(pv, digits), num(nv, digits), ratio(pv, nv), better))
+
+    row("bytes per idle connection (PSS)", "idle", lambda r: r["bytes_per_connection"], better="lower")
+    row("connections accepted/s while opening (500 in flight)", "idle", lambda r: r["connects_per_second"])
+    row("reconnect storm: accepted/s (all at once, with cursor)", "storm", lambda r: r["accepted_per_second"])
+    row("broadcast 1/s to all: p50 ms", "broadcast-1ps", lambda r: r["latency"]["p50_ms"], 2, "lower")
+    row("broadcast 1/s to all: p99 ms", "broadcast-1ps", lambda r: r["latency"]["p99_ms"], 2, "lower")
+    for peer in ("posthorn", "nchan"):
+        best = None
+        for (label, who), result in runs.items():
+            if who == peer and label.startswith("ladder-") and result.get("lossless"):
+                deliveries = result["deliveries"]["distinct"] / max(result["published"]["seconds"], 1e-3)
+                if best is None or result["rate"] > best[0]:
+                    best = (result["rate"], deliveries, result["latency"]["p99_ms"])
+        runs[("ladder-best", peer)] = {"best": best}
+    row("highest lossless broadcast deliveries/s", "ladder-best",
+        lambda r: r["best"][1] if r["best"] else None)
+    for rate in (1000, 5000):
+        row(f"unicast {rate}/s (HTTP publish): p99 ms", f"unicast-{rate}", lambda r: r["latency"]["p99_ms"], 2, "lower")
+        row(f"unicast {rate}/s (HTTP publish): lost", f"unicast-{rate}", lambda r: r["deliveries"]["lost"], 0, "lower")
+    row("slow 10%: never-reading clients closed by the server", "slow", lambda r: r["evicted"])
+    row("slow 10%: last eviction, s after start", "slow", lambda r: r["eviction_last_s"], 2, "lower")
+    row("slow 10%: healthy clients lost", "slow", lambda r: r["healthy"]["lost"], 0, "lower")
+    row("slow 10%: server memory growth KiB", "slow",
+        lambda r: (r["memory_peak"]["rss_kib"] - r["memory_before"]["rss_kib"]) if r.get("memory_peak") and r.get("memory_before") else None,
+        0, "lower")
+
+    print("| measurement | posthorn | nchan | posthorn/nchan | better |")
+    print("|---|---:|---:|---:|---|")
+    for name, p, n, r, better in rows:
+        print(f"| {name} | {p} | {n} | {r} | {better} |")
+
+    extra = []
+    for rate in (1000, 5000):
+        r = get(f"redis-unicast-{rate}", "posthorn")
+        if r:
+            extra.append(f"- unicast {rate}/s through Redis (XADD): p50 {r['latency']['p50_ms']:.2f} ms, "
+                         f"p99 {r['latency']['p99_ms']:.2f} ms, lost {r['deliveries']['lost']}, lossless {r['lossless']}")
+    r = get("idle-fill", "posthorn")
+    if r:
+        extra.append(f"- {r['fill']} events of {r['size']} B waiting per connection: "
+                     f"{num(r['bytes_per_connection_full'])} bytes per connection; still open {r['open_after_fill']}")
+    r = get("drain", "posthorn")
+    if r:
+        extra.append(f"- drain of {r['connections']}: last close {r['last_close_s']:.2f} s, exit {r['exit_s']}, "
+                     f"{r['closes_per_second']:.0f} closes/s, at most {r['reconnect_peak_per_second']} reconnects in one second")
+    for peer in ("posthorn", "nchan"):
+        best = runs[("ladder-best", peer)]["best"]
+        if best:
+            extra.append(f"- {peer}: highest lossless broadcast rate {best[0]}/s (p99 {best[2]:.1f} ms)")
+    if extra:
+        print()
+        print("\n".join(extra))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,347 @@
+//! `fanout`: N reading connections, events published at a fixed rate (unicast round robin over
+//! the devices, or broadcasts that every connection receives), then a settle time for
+//! stragglers. Reports deliveries per second, end-to-end latency, and exact loss, duplicates,
+//! order violations and misrouting. Also home of the paced publisher and the reader that the
+//! `slow` scenario shares.
+
+use std::{
+    sync::{
+        atomic::{AtomicU64, Ordering},
+        Arc,
+    },
+    time::{Duration, Instant},
+};
+
+use serde_json::json;
+use tokio::sync::watch;
+
+use super::{
+    emit, failed, payload,
+    probe::CpuMeter,
+    publisher::{Outgoing, Publisher},
+    tally::{Latencies, LatencySummary, Tally, Totals},
+    wire::{self, SseStream},
+    Common, LoadtestError, Mode, PublishOptions, Run,
+};
+
+#[derive(Debug, clap::Args)]
+pub struct FanoutArgs {
+    #[command(flatten)]
+    pub common: Common,
+    #[command(flatten)]
+    pub publish: PublishOptions,
+    #[arg(long, value_enum, default_value = "unicast")]
+    pub mode: Mode,
+    /// Events per second: unicast events in total, or broadcasts (each one delivery per
+    /// connection).
+    #[arg(long, default_value_t = 1000.0)]
+    pub rate: f64,
+    /// Payload bytes per event.
+    #[arg(long, default_value_t = 100)]
+    pub size: usize,
+    #[arg(long, default_value = "10s", value_parser = super::parse_duration)]
+    pub duration: Duration,
+    /// Wait this long after the last publish for deliveries still on their way.
+    #[arg(long, default_value = "5s", value_parser = super::parse_duration)]
+    pub settle: Duration,
+}
+
+/// A publishing plan: `total` events at `rate` per second.
+#[derive(Debug, Clone, Copy)]
+pub struct Plan {
+    pub mode: Mode,
+    pub rate: f64,
+    pub total: u64,
+    pub size: usize,
+    pub devices: u64,
+}
+
+impl Plan {
+    pub fn new(
+        mode: Mode,
+        rate: f64,
+        duration: Duration,
+        size: usize,
+        devices: usize,
+    ) -> Result<Self, LoadtestError> {
+        if !(rate > 0.0 && rate.is_finite()) {
+            return Err(LoadtestError::Usage("--rate must be above 0".into()));
+        }
+        if size < payload::MIN_SIZE {
+            return Err(LoadtestError::Usage(format!(
+                "--size must be at least {} bytes (the payload carries sequence and timestamp)",
+                payload::MIN_SIZE
+            )));
+        }
+        let total = (rate * duration.as_secs_f64()).round().max(1.0) as u64;
+        let plan = Self {
+            mode,
+            rate,
+            total,
+            size,
+            devices: devices as u64,
+        };
+        super::check_events(plan.deliveries())?;
+        Ok(plan)
+    }
+
+    /// Events a device should receive.
+    pub fn expected(&self, device: u64) -> u64 {
+        match self.mode {
+            Mode::Broadcast => self.total,
+            Mode::Unicast => {
+                self.total / self.devices + u64::from(device < self.total % self.devices)
+            }
+        }
+    }
+
+    pub fn deliveries(&self) -> u64 {
+        match self.mode {
+            Mode::Broadcast => self.total * self.devices,
+            Mode::Unicast => self.total,
+        }
+    }
+
+    fn event(&self, index: u64, sent_us: u64) -> Outgoing {
+        let (device, seq) = match self.mode {
+            Mode::Broadcast => (None, index),
+            Mode::Unicast => (Some(index % self.devices), index / self.devices),
+        };
+        let stamp = payload::Stamp {
+            seq,
+            sent_us,
+            target: device,
+        };
+        Outgoing {
+            device: device.map(|d| d as usize),
+            data: stamp.encode(self.size),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, serde::Serialize)]
+pub struct Published {
+    pub events: u64,
+    pub seconds: f64,
+    /// How far publishing fell behind its schedule at worst (the publisher or the server could
+    /// not keep the rate).
+    pub max_behind_ms: f64,
+}
+
+/// Publishes the plan on a 5 ms schedule; a batch carries every event that is due.
+pub async fn publish_paced(
+    run: &Run,
+    publisher: &mut Publisher,
+    plan: &Plan,
+) -> Result<Published, LoadtestError> {
+    let tick = Duration::from_millis(5);
+    let started = Instant::now();
+    let mut next = tokio::time::Instant::now();
+    let mut sent = 0u64;
+    let mut max_behind = Duration::ZERO;
+    let mut batch = Vec::new();
+    while sent < plan.total {
+        next += tick;
+        tokio::time::sleep_until(next).await;
+        let elapsed = started.elapsed();
+        let due = ((elapsed.as_secs_f64() * plan.rate) as u64).min(plan.total);
+        if due <= sent {
+            continue;
+        }
+        // The oldest event of this batch was due at sent / rate; one tick late is on time.
+        let scheduled = Duration::from_secs_f64(sent as f64 / plan.rate);
+        max_behind = max_behind.max(elapsed.saturating_sub(scheduled + tick));
+        let sent_us = payload::now_us();
+        batch.clear();
+        batch.extend((sent..due).map(|i| plan.event(i, sent_us)));
+        publisher
+            .publish(&run.devices, &batch)
+            .await
+            .map_err(failed("publishing failed"))?;
+        sent = due;
+    }
+    Ok(Published {
+        events: sent,
+        seconds: started.elapsed().as_secs_f64(),
+        max_behind_ms: max_behind.as_secs_f64() * 1000.0,
+    })
+}
+
+/// Shared by all readers of a run.
+#[derive(Default)]
+pub struct Readers {
+    pub latencies: Latencies,
+    /// Microsecond wall clock of the latest delivery, for the delivery rate.
+    pub last_delivery_us: AtomicU64,
+    /// Connections that received everything they expect.
+    pub complete: AtomicU64,
+}
+
+pub struct Followed {
+    pub tally: Tally,
+    pub expected: u64,
+    /// The server closed the stream (evicted, drained, crashed) before the end.
+    pub closed_by_server: bool,
+    pub resyncs: u64,
+}
+
+/// Reads a stream until it has everything it expects, the server closes it, or `stop`.
+pub async fn follow(
+    mut stream: SseStream,
+    device: usize,
+    expected: u64,
+    shared: Arc<Readers>,
+    mut stop: watch::Receiver<bool>,
+) -> Followed {
+    let mut tally = Tally::new(device as u64, expected);
+    let mut buf = vec![0u8; wire::READ_BUFFER];
+    let mut stamps = Vec::with_capacity(64);
+    let mut closed_by_server = false;
+    let mut complete = false;
+    loop {
+        if !complete && tally.distinct >= expected {
+            complete = true;
+            shared.complete.fetch_add(1, Ordering::Relaxed);
+        }
+        tokio::select! {
+            read = stream.read_events(&mut buf, |stamp| {
+                stamps.push(stamp.sent_us);
+                tally.record(stamp);
+            }) => match read {
+                Ok(true) => {}
+                Ok(false) | Err(_) => {
+                    closed_by_server = true;
+                    break;
+                }
+            },
+            _ = stop.changed() => break,
+        }
+        if !stamps.is_empty() {
+            shared.latencies.record(device, &stamps);
+            shared
+                .last_delivery_us
+                .fetch_max(payload::now_us(), Ordering::Relaxed);
+            stamps.clear();
+        }
+    }
+    Followed {
+        tally,
+        expected,
+        closed_by_server,
+        resyncs: stream.counters.resyncs,
+    }
+}
+
+/// Waits until every reader is complete, or `settle` after publishing ended.
+pub async fn settle(shared: &Readers, readers: u64, settle: Duration) {
+    let deadline = Instant::now() + settle;
+    while shared.complete.load(Ordering::Relaxed) < readers && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+pub async fn run(run: &Run, args: &FanoutArgs) -> Result<(), LoadtestError> {
+    let n = run.devices.len();
+    let plan = Plan::new(args.mode, args.rate, args.duration, args.size, n)?;
+    let mut publisher = run.publisher(&args.publish).await?;
+    let opening = Instant::now();
+    let streams = run.open_all(None).await?;
+    println!(
+        "fanout: {n} connections open in {:.2} s",
+        opening.elapsed().as_secs_f64()
+    );
+    let shared = Arc::new(Readers::default());
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let readers: Vec<_> = streams
+        .into_iter()
+        .enumerate()
+        .map(|(device, stream)| {
+            tokio::spawn(follow(
+                stream,
+                device,
+                plan.expected(device as u64),
+                shared.clone(),
+                stop_rx.clone(),
+            ))
+        })
+        .collect();
+    let cpu = CpuMeter::start(&run.server).await;
+    let first_publish_us = payload::now_us();
+    let published = publish_paced(run, &mut publisher, &plan).await?;
+    settle(&shared, n as u64, args.settle).await;
+    let cpu = cpu.stop(&run.server).await;
+    let _ = stop_tx.send(true);
+    let mut totals = Totals::default();
+    let (mut closed, mut resyncs) = (0, 0);
+    for reader in readers {
+        let followed = reader
+            .await
+            .map_err(|e| LoadtestError::Failed(format!("reader: {e}")))?;
+        totals.add(&followed.tally, followed.expected);
+        closed += u64::from(followed.closed_by_server);
+        resyncs += followed.resyncs;
+    }
+    let histogram = shared.latencies.merged();
+    let latency = LatencySummary::of(&histogram);
+    let last = shared.last_delivery_us.load(Ordering::Relaxed);
+    let delivery_seconds = (last.saturating_sub(first_publish_us) as f64 / 1e6).max(1e-3);
+    let delivered_per_second = totals.distinct as f64 / delivery_seconds;
+    let mode = match plan.mode {
+        Mode::Unicast => "unicast",
+        Mode::Broadcast => "broadcast",
+    };
+    println!(
+        "fanout: {} {mode} events of {} B at {}/s over {n} connections ({:?}): {}/{} delivered \
+         ({} lost, {} duplicates, {} out of order, {} misrouted, {closed} connections closed by \
+         the server, {resyncs} resyncs): {delivered_per_second:.0} deliveries/s; latency p50 \
+         {:.2} ms, p99 {:.2} ms, p99.9 {:.2} ms, max {:.2} ms; publishing took {:.2} s (at \
+         worst {:.0} ms behind schedule) -- {}",
+        published.events,
+        plan.size,
+        plan.rate,
+        run.peer,
+        totals.distinct,
+        totals.expected,
+        totals.lost,
+        totals.duplicates,
+        totals.out_of_order,
+        totals.misrouted,
+        latency.p50_ms,
+        latency.p99_ms,
+        latency.p999_ms,
+        latency.max_ms,
+        published.seconds,
+        published.max_behind_ms,
+        if totals.lossless() && closed == 0 {
+            "LOSSLESS"
+        } else {
+            "NOT LOSSLESS"
+        }
+    );
+    println!("fanout: {cpu}");
+    if let Some(path) = &run.plot {
+        let title = format!(
+            "{:?} fanout: {mode} {}/s x {} B, {n} connections",
+            run.peer, plan.rate, plan.size
+        );
+        super::plot::latency_cdf(path, &title, &histogram)
+            .map_err(failed("cannot write the plot"))?;
+    }
+    emit(json!({
+        "scenario": "fanout",
+        "peer": run.peer,
+        "connections": n,
+        "mode": plan.mode,
+        "rate": plan.rate,
+        "size": plan.size,
+        "published": published,
+        "deliveries": totals,
+        "lossless": totals.lossless() && closed == 0,
+        "closed_by_server": closed,
+        "resyncs": resyncs,
+        "delivered_per_second": delivered_per_second,
+        "latency": latency,
+        "cpu": cpu,
+    }));
+    Ok(())
+}

@@ -1,0 +1,468 @@
+//! `posthorn loadtest` (SPEC 10): drives a server under test — posthorn, or nchan as the peer it
+//! is compared with — over real sockets and reports what it measured: a human summary, one JSON
+//! line, optionally an SVG plot.
+//!
+//! Every scenario is bounded in connections, events and time (`--time-limit`), targets loopback
+//! addresses unless `--allow-remote`, and spreads its client sockets over several 127.0.0.x
+//! source addresses so that more than one address's ephemeral ports are available. Events carry
+//! a send timestamp and a sequence number (see `payload`), so latency, loss, duplicates, order
+//! violations and misrouting are counted exactly, and every report shows the tool's own CPU
+//! share next to the server's: a saturated load tool would otherwise pass for a slow server.
+
+mod drain;
+mod fanout;
+mod idle;
+mod payload;
+mod plot;
+mod probe;
+mod publisher;
+mod slow;
+mod storm;
+mod tally;
+mod wire;
+
+use std::{
+    io,
+    net::{IpAddr, Ipv4Addr, SocketAddr, ToSocketAddrs},
+    path::PathBuf,
+    time::{Duration, Instant},
+};
+
+use futures_util::StreamExt;
+use thiserror::Error;
+
+use crate::cli::CliError;
+
+/// Upper bounds that keep a mistyped argument from becoming a machine-wide outage.
+const MAX_CONNECTIONS: usize = 100_000;
+const MAX_EVENTS: u64 = 100_000_000;
+/// Clients per source address: below the ~28k ephemeral ports of one address.
+const CLIENTS_PER_SOURCE: usize = 20_000;
+
+#[derive(Debug, clap::Args)]
+pub struct LoadtestArgs {
+    #[command(subcommand)]
+    pub scenario: Scenario,
+}
+
+#[derive(Debug, clap::Subcommand)]
+pub enum Scenario {
+    /// N connections that do not read: memory per connection with empty, then with full queues.
+    Idle(idle::IdleArgs),
+    /// N clients reconnect at once with their cursors: accepted connections per second.
+    Storm(storm::StormArgs),
+    /// Events at a fixed rate (unicast or broadcast, size S): delivered/s, latency, loss.
+    Fanout(fanout::FanoutArgs),
+    /// A fraction of the clients never read: evictions, their timing, server memory, and what
+    /// the healthy clients received.
+    Slow(slow::SlowArgs),
+    /// Drain a posthorn hub with N connections: close times, retry values, reconnect times.
+    Drain(drain::DrainArgs),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Peer {
+    /// `GET /v1/devices/{d}/events`, `POST /v1/events`.
+    Posthorn,
+    /// nchan with scripts/bench/nchan.conf: `GET /sub/{d}` (device and broadcast channels),
+    /// `POST /pub/{channel}`.
+    Nchan,
+}
+
+/// Options every scenario takes.
+#[derive(Debug, Clone, clap::Args)]
+pub struct Common {
+    /// Base URL of the server under test (its SSE endpoint).
+    #[arg(long, default_value = "http://127.0.0.1:8080")]
+    pub url: String,
+    #[arg(long, value_enum, default_value = "posthorn")]
+    pub peer: Peer,
+    /// Client connections.
+    #[arg(long, short = 'n', default_value_t = 1000)]
+    pub connections: usize,
+    /// Server process ids (comma-separated; all nginx processes for nchan) whose memory and CPU
+    /// are reported. Without them posthorn's /metrics is read.
+    #[arg(long = "pid", value_delimiter = ',')]
+    pub pids: Vec<u32>,
+    /// Loopback source addresses to spread client sockets over (127.0.0.2 and up).
+    #[arg(long, default_value_t = 4)]
+    pub sources: u8,
+    /// Connection attempts in flight while opening the connections.
+    #[arg(long, default_value_t = 500)]
+    pub connect_concurrency: usize,
+    /// Device names are PREFIX-0 .. PREFIX-(N-1).
+    #[arg(long, default_value = "lt")]
+    pub device_prefix: String,
+    /// Hard bound on the whole run.
+    #[arg(long, default_value = "300s", value_parser = parse_duration)]
+    pub time_limit: Duration,
+    /// Allow a target outside 127.0.0.0/8 (load tests against shared hosts are opt-in).
+    #[arg(long)]
+    pub allow_remote: bool,
+    /// Write an SVG plot here.
+    #[arg(long, value_name = "FILE")]
+    pub plot: Option<PathBuf>,
+    /// Load tool threads.
+    #[arg(long, default_value_t = 2)]
+    pub threads: usize,
+}
+
+/// Where events are published (fanout, slow, idle's fill).
+#[derive(Debug, Clone, clap::Args)]
+pub struct PublishOptions {
+    /// `http`: the server's publish API; `redis`: XADD straight into Redis Streams.
+    #[arg(long, value_enum, default_value = "http")]
+    pub publish_via: PublishVia,
+    /// Publish API base URL when it differs from --url (nchan's slow-consumer listener).
+    #[arg(long)]
+    pub publish_url: Option<String>,
+    /// Redis for --publish-via redis (standalone layout).
+    #[arg(long, default_value = "127.0.0.1:6379")]
+    pub redis: String,
+    #[arg(long, default_value = "pos-ev")]
+    pub redis_prefix: String,
+    #[arg(long, default_value_t = 64)]
+    pub redis_shards: u32,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum PublishVia {
+    Http,
+    Redis,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Mode {
+    Unicast,
+    Broadcast,
+}
+
+#[derive(Debug, Error)]
+pub enum LoadtestError {
+    #[error("loadtest: {0}")]
+    Usage(String),
+    #[error("loadtest: {0}")]
+    Failed(String),
+}
+
+impl From<LoadtestError> for CliError {
+    fn from(error: LoadtestError) -> Self {
+        match error {
+            LoadtestError::Usage(message) => CliError::Usage(message),
+            LoadtestError::Failed(message) => CliError::Failed(message),
+        }
+    }
+}
+
+fn failed(context: &str) -> impl Fn(io::Error) -> LoadtestError + '_ {
+    move |error| LoadtestError::Failed(format!("{context}: {error}"))
+}
+
+fn parse_duration(text: &str) -> Result<Duration, String> {
+    crate::config::parse_duration(text)
+        .ok_or_else(|| format!("invalid duration {text:?} (e.g. 500ms, 20s, 1m)"))
+}
+
+/// A resolved `http://host:port` target.
+#[derive(Debug, Clone)]
+pub struct Endpoint {
+    pub addr: SocketAddr,
+    /// The `Host` header.
+    pub host: String,
+}
+
+impl Endpoint {
+    fn parse(url: &str, allow_remote: bool) -> Result<Self, LoadtestError> {
+        let usage = |why: &str| LoadtestError::Usage(format!("{url:?}: {why}"));
+        let rest = url
+            .strip_prefix("http://")
+            .ok_or_else(|| usage("only http:// URLs"))?;
+        let host = rest.split('/').next().unwrap_or(rest);
+        if rest.len() > host.len() + 1 {
+            return Err(usage("give the base URL without a path"));
+        }
+        Self::resolve(host, 80, allow_remote).map_err(|why| usage(&why))
+    }
+
+    fn resolve(host: &str, default_port: u16, allow_remote: bool) -> Result<Self, String> {
+        let with_port = if host
+            .rsplit_once(':')
+            .is_some_and(|(_, p)| p.parse::<u16>().is_ok())
+        {
+            host.to_string()
+        } else {
+            format!("{host}:{default_port}")
+        };
+        let addr = with_port
+            .to_socket_addrs()
+            .map_err(|error| format!("cannot resolve: {error}"))?
+            .next()
+            .ok_or("resolves to no address")?;
+        if !allow_remote && !addr.ip().is_loopback() {
+            return Err(format!(
+                "{} is not a loopback address; pass --allow-remote to load a remote host",
+                addr.ip()
+            ));
+        }
+        Ok(Self {
+            addr,
+            host: host.to_string(),
+        })
+    }
+}
+
+/// The shared setting of one run: target, devices, source addresses, server probe.
+pub struct Run {
+    pub peer: Peer,
+    pub endpoint: Endpoint,
+    pub devices: Vec<String>,
+    sources: Vec<IpAddr>,
+    pub server: probe::Server,
+    pub connect_concurrency: usize,
+    pub plot: Option<PathBuf>,
+}
+
+impl Run {
+    fn new(common: &Common) -> Result<Self, LoadtestError> {
+        if common.connections == 0 || common.connections > MAX_CONNECTIONS {
+            return Err(LoadtestError::Usage(format!(
+                "--connections must be 1..={MAX_CONNECTIONS}"
+            )));
+        }
+        let endpoint = Endpoint::parse(&common.url, common.allow_remote)?;
+        // Source addresses other than 127.0.0.1 only reach a loopback target.
+        let sources = match endpoint.addr.ip() {
+            IpAddr::V4(ip) if ip.is_loopback() => {
+                let needed = common.connections.div_ceil(CLIENTS_PER_SOURCE);
+                let count = usize::from(common.sources.max(1)).max(needed);
+                if count > 250 {
+                    return Err(LoadtestError::Usage("too many source addresses".into()));
+                }
+                (0..count)
+                    .map(|i| IpAddr::V4(Ipv4Addr::new(127, 0, 0, 2 + i as u8)))
+                    .collect()
+            }
+            _ => Vec::new(),
+        };
+        let server = if !common.pids.is_empty() {
+            probe::Server::Pids(common.pids.clone())
+        } else if common.peer == Peer::Posthorn {
+            probe::Server::Metrics(endpoint.clone())
+        } else {
+            probe::Server::Unknown
+        };
+        Ok(Self {
+            peer: common.peer,
+            devices: (0..common.connections)
+                .map(|i| format!("{}-{i}", common.device_prefix))
+                .collect(),
+            endpoint,
+            sources,
+            server,
+            connect_concurrency: common.connect_concurrency.max(1),
+            plot: common.plot.clone(),
+        })
+    }
+
+    fn source(&self, index: usize) -> Option<IpAddr> {
+        (!self.sources.is_empty()).then(|| self.sources[index % self.sources.len()])
+    }
+
+    fn stream_path(&self, device: usize) -> String {
+        match self.peer {
+            Peer::Posthorn => format!("/v1/devices/{}/events", self.devices[device]),
+            Peer::Nchan => format!("/sub/{}", self.devices[device]),
+        }
+    }
+
+    /// Opens one event stream per device index, `connect_concurrency` attempts in flight,
+    /// each with its cursor when `cursors` is given. Results are in index order.
+    async fn open_streams(
+        &self,
+        indices: impl Iterator<Item = usize>,
+        cursors: Option<&[String]>,
+        receive_buffer: Option<u32>,
+        concurrency: usize,
+    ) -> Vec<Opened> {
+        let started = Instant::now();
+        let mut opened: Vec<_> = futures_util::stream::iter(indices)
+            .map(|index| async move {
+                let cursor = cursors.map(|c| c[index].as_str()).filter(|c| !c.is_empty());
+                let path = self.stream_path(index);
+                let result = wire::open_sse(
+                    &self.endpoint,
+                    self.source(index),
+                    &path,
+                    cursor,
+                    receive_buffer,
+                )
+                .await;
+                Opened {
+                    index,
+                    result,
+                    after: started.elapsed(),
+                }
+            })
+            .buffer_unordered(concurrency)
+            .collect()
+            .await;
+        opened.sort_by_key(|opened| opened.index);
+        opened
+    }
+
+    /// Opens all streams or fails with the first error (setup phases).
+    async fn open_all(
+        &self,
+        receive_buffer: Option<u32>,
+    ) -> Result<Vec<wire::SseStream>, LoadtestError> {
+        let mut streams = Vec::with_capacity(self.devices.len());
+        for opened in self
+            .open_streams(
+                0..self.devices.len(),
+                None,
+                receive_buffer,
+                self.connect_concurrency,
+            )
+            .await
+        {
+            streams.push(opened.result.map_err(|error| {
+                LoadtestError::Failed(format!(
+                    "connection {} failed to open: {error}",
+                    opened.index
+                ))
+            })?);
+        }
+        Ok(streams)
+    }
+
+    fn publish_route(&self, options: &PublishOptions) -> Result<publisher::Route, LoadtestError> {
+        let allow_remote = !self.endpoint.addr.ip().is_loopback();
+        Ok(match options.publish_via {
+            PublishVia::Http => publisher::Route::Http(match &options.publish_url {
+                Some(url) => Endpoint::parse(url, allow_remote)?,
+                None => self.endpoint.clone(),
+            }),
+            PublishVia::Redis => publisher::Route::Redis {
+                endpoint: Endpoint::resolve(&options.redis, 6379, allow_remote)
+                    .map_err(|why| LoadtestError::Usage(format!("--redis: {why}")))?,
+                prefix: options.redis_prefix.clone(),
+                shards: options.redis_shards.max(1),
+            },
+        })
+    }
+
+    async fn publisher(
+        &self,
+        options: &PublishOptions,
+    ) -> Result<publisher::Publisher, LoadtestError> {
+        let route = self.publish_route(options)?;
+        publisher::Publisher::open(self.peer, &route)
+            .await
+            .map_err(failed("cannot connect the publisher"))
+    }
+}
+
+/// One connection attempt: its outcome and when it finished, from the start of the batch.
+pub struct Opened {
+    pub index: usize,
+    pub result: io::Result<wire::SseStream>,
+    pub after: Duration,
+}
+
+/// Prints the machine-readable result: one JSON line.
+fn emit(report: serde_json::Value) {
+    println!("{report}");
+}
+
+/// Bytes per connection from two memory samples.
+fn per_connection(
+    before: Option<probe::Memory>,
+    after: Option<probe::Memory>,
+    n: usize,
+) -> Option<f64> {
+    let (before, after) = (before?, after?);
+    // With several processes sharing pages (nginx), PSS splits them fairly; for one process
+    // the two agree.
+    Some(after.pss_kib.saturating_sub(before.pss_kib) as f64 * 1024.0 / n as f64)
+}
+
+pub fn run(args: LoadtestArgs) -> Result<(), CliError> {
+    let common = match &args.scenario {
+        Scenario::Idle(a) => &a.common,
+        Scenario::Storm(a) => &a.common,
+        Scenario::Fanout(a) => &a.common,
+        Scenario::Slow(a) => &a.common,
+        Scenario::Drain(a) => &a.common,
+    };
+    let (time_limit, threads) = (common.time_limit, common.threads);
+    let run = Run::new(common)?;
+    match rlimit::increase_nofile_limit(u64::MAX) {
+        Ok(limit) if (limit as usize) < run.devices.len() + 64 => {
+            return Err(LoadtestError::Usage(format!(
+                "open files limit {limit} is below --connections; raise `ulimit -n`"
+            ))
+            .into())
+        }
+        Ok(_) => {}
+        Err(error) => log::warn!("cannot raise the open files limit: {error}"),
+    }
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(threads.max(1))
+        .enable_all()
+        .build()
+        .map_err(|error| CliError::Failed(format!("cannot start the runtime: {error}")))?;
+    runtime.block_on(async move {
+        let work = async {
+            match &args.scenario {
+                Scenario::Idle(a) => idle::run(&run, a).await,
+                Scenario::Storm(a) => storm::run(&run, a).await,
+                Scenario::Fanout(a) => fanout::run(&run, a).await,
+                Scenario::Slow(a) => slow::run(&run, a).await,
+                Scenario::Drain(a) => drain::run(&run, a).await,
+            }
+        };
+        match tokio::time::timeout(time_limit, work).await {
+            Ok(result) => result.map_err(CliError::from),
+            Err(_) => Err(CliError::Failed(format!(
+                "loadtest: stopped at --time-limit {time_limit:?}"
+            ))),
+        }
+    })?;
+    // Thousands of sockets are closed by the runtime's drop; do not wait for it.
+    runtime.shutdown_background();
+    Ok(())
+}
+
+fn check_events(total: u64) -> Result<(), LoadtestError> {
+    if total > MAX_EVENTS {
+        return Err(LoadtestError::Usage(format!(
+            "the run would publish {total} events; the bound is {MAX_EVENTS}"
+        )));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn remote_targets_need_the_flag() {
+        assert!(Endpoint::parse("http://127.0.0.1:8080", false).is_ok());
+        assert!(Endpoint::parse("http://127.0.0.9:80", false).is_ok());
+        let error = Endpoint::parse("http://10.1.2.3:8080", false).unwrap_err();
+        assert!(error.to_string().contains("--allow-remote"), "{error}");
+        assert!(Endpoint::parse("http://10.1.2.3:8080", true).is_ok());
+        assert!(Endpoint::parse("https://127.0.0.1", false).is_err());
+        assert!(Endpoint::parse("http://127.0.0.1:8080/x", false).is_err());
+        assert_eq!(
+            Endpoint::parse("http://127.0.0.1", false)
+                .unwrap()
+                .addr
+                .port(),
+            80
+        );
+    }
+}

@@ -1,0 +1,277 @@
+//! Publishing load-test events to the server under test: posthorn's `POST /v1/events` (batched),
+//! straight into Redis Streams with `XADD` as an external producer would (the entry format of
+//! docs/stream-format.md, standalone key layout), or nchan's `POST /pub/{channel}` (one message
+//! per request, pipelined over several keep-alive connections, as nchan has no batch publish).
+
+use std::io;
+
+use tokio::{io::AsyncWriteExt, net::TcpStream};
+
+use super::{wire, Endpoint, Peer};
+
+/// nchan publishes one message per request: spread them over this many connections.
+const NCHAN_PUBLISH_CONNECTIONS: usize = 8;
+/// posthorn's default `limits.max_batch`.
+const POSTHORN_MAX_BATCH: usize = 1000;
+
+/// One event: to a device (index into the run's device names) or a broadcast.
+pub struct Outgoing {
+    pub device: Option<usize>,
+    pub data: String,
+}
+
+pub enum Publisher {
+    Posthorn(Connection),
+    Nchan(Vec<Connection>),
+    Redis {
+        connection: Connection,
+        prefix: String,
+        shards: u32,
+    },
+}
+
+pub struct Connection {
+    endpoint: Endpoint,
+    stream: TcpStream,
+    buf: Vec<u8>,
+}
+
+impl Connection {
+    async fn open(endpoint: &Endpoint) -> io::Result<Self> {
+        Ok(Self {
+            endpoint: endpoint.clone(),
+            stream: wire::connect(endpoint.addr, None, None).await?,
+            buf: Vec::new(),
+        })
+    }
+}
+
+/// How events reach the server.
+#[derive(Debug, Clone)]
+pub enum Route {
+    Http(Endpoint),
+    Redis {
+        endpoint: Endpoint,
+        prefix: String,
+        shards: u32,
+    },
+}
+
+impl Publisher {
+    pub async fn open(peer: Peer, route: &Route) -> io::Result<Self> {
+        Ok(match (peer, route) {
+            (
+                _,
+                Route::Redis {
+                    endpoint,
+                    prefix,
+                    shards,
+                },
+            ) => Publisher::Redis {
+                connection: Connection::open(endpoint).await?,
+                prefix: prefix.clone(),
+                shards: *shards,
+            },
+            (Peer::Posthorn, Route::Http(endpoint)) => {
+                Publisher::Posthorn(Connection::open(endpoint).await?)
+            }
+            (Peer::Nchan, Route::Http(endpoint)) => {
+                let mut connections = Vec::new();
+                for _ in 0..NCHAN_PUBLISH_CONNECTIONS {
+                    connections.push(Connection::open(endpoint).await?);
+                }
+                Publisher::Nchan(connections)
+            }
+        })
+    }
+
+    /// Publishes `events` and waits until the server accepted every one.
+    pub async fn publish(&mut self, devices: &[String], events: &[Outgoing]) -> io::Result<()> {
+        match self {
+            Publisher::Posthorn(connection) => {
+                for batch in events.chunks(POSTHORN_MAX_BATCH) {
+                    posthorn_batch(connection, devices, batch).await?;
+                }
+                Ok(())
+            }
+            Publisher::Nchan(connections) => {
+                let count = connections.len();
+                let work = connections
+                    .iter_mut()
+                    .enumerate()
+                    .map(|(lane, connection)| {
+                        let share = events.iter().skip(lane).step_by(count);
+                        nchan_pipeline(connection, devices, share)
+                    });
+                futures_util::future::try_join_all(work).await.map(|_| ())
+            }
+            Publisher::Redis {
+                connection,
+                prefix,
+                shards,
+            } => redis_pipeline(connection, devices, events, prefix, *shards).await,
+        }
+    }
+}
+
+async fn posthorn_batch(
+    connection: &mut Connection,
+    devices: &[String],
+    batch: &[Outgoing],
+) -> io::Result<()> {
+    let mut body = String::with_capacity(batch.iter().map(|e| e.data.len() + 48).sum());
+    body.push('[');
+    for (i, event) in batch.iter().enumerate() {
+        if i > 0 {
+            body.push(',');
+        }
+        // Load-test payloads are plain ASCII without quotes or backslashes: no escaping needed.
+        match event.device {
+            Some(device) => {
+                body.push_str("{\"device\":\"");
+                body.push_str(&devices[device]);
+                body.push_str("\",\"data\":\"");
+            }
+            None => body.push_str("{\"broadcast\":true,\"data\":\""),
+        }
+        body.push_str(&event.data);
+        body.push_str("\"}");
+    }
+    body.push(']');
+    let request = format!(
+        "POST /v1/events HTTP/1.1\r\nHost: {}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        connection.endpoint.host,
+        body.len()
+    );
+    let (status, answer) = wire::request(
+        &mut connection.stream,
+        &mut connection.buf,
+        request.as_bytes(),
+    )
+    .await?;
+    if status != 201 {
+        return Err(io::Error::other(format!(
+            "publish answered {status}: {}",
+            String::from_utf8_lossy(&answer)
+        )));
+    }
+    Ok(())
+}
+
+async fn nchan_pipeline<'a>(
+    connection: &mut Connection,
+    devices: &[String],
+    events: impl Iterator<Item = &'a Outgoing>,
+) -> io::Result<()> {
+    let mut requests = Vec::new();
+    let mut count = 0;
+    for event in events {
+        let channel = event.device.map_or("broadcast", |d| devices[d].as_str());
+        requests.extend_from_slice(
+            format!(
+                "POST /pub/{channel} HTTP/1.1\r\nHost: {}\r\nContent-Type: text/plain\r\nContent-Length: {}\r\n\r\n",
+                connection.endpoint.host,
+                event.data.len()
+            )
+            .as_bytes(),
+        );
+        requests.extend_from_slice(event.data.as_bytes());
+        count += 1;
+    }
+    if count == 0 {
+        return Ok(());
+    }
+    connection.stream.write_all(&requests).await?;
+    for _ in 0..count {
+        let (status, answer) =
+            wire::read_response(&mut connection.stream, &mut connection.buf).await?;
+        // 201: delivered to subscribers; 202: stored, nobody subscribed.
+        if status != 201 && status != 202 {
+            return Err(io::Error::other(format!(
+                "nchan publish answered {status}: {}",
+                String::from_utf8_lossy(&answer)
+            )));
+        }
+    }
+    Ok(())
+}
+
+fn resp_command(out: &mut Vec<u8>, args: &[&[u8]]) {
+    out.extend_from_slice(format!("*{}\r\n", args.len()).as_bytes());
+    for arg in args {
+        out.extend_from_slice(format!("${}\r\n", arg.len()).as_bytes());
+        out.extend_from_slice(arg);
+        out.extend_from_slice(b"\r\n");
+    }
+}
+
+async fn redis_pipeline(
+    connection: &mut Connection,
+    devices: &[String],
+    events: &[Outgoing],
+    prefix: &str,
+    shards: u32,
+) -> io::Result<()> {
+    let mut commands = Vec::new();
+    let mut count = 0;
+    let mut xadd = |key: String, device: &[u8], data: &[u8]| {
+        resp_command(
+            &mut commands,
+            &[b"XADD", key.as_bytes(), b"*", b"dev", device, b"data", data],
+        );
+        count += 1;
+    };
+    for event in events {
+        match event.device {
+            Some(device) => {
+                let name = devices[device].as_bytes();
+                let shard = crc32fast::hash(name) % shards;
+                xadd(format!("{prefix}:{shard}"), name, event.data.as_bytes());
+            }
+            None => {
+                for shard in 0..shards {
+                    xadd(format!("{prefix}:{shard}"), b"*", event.data.as_bytes());
+                }
+            }
+        }
+    }
+    connection.stream.write_all(&commands).await?;
+    for _ in 0..count {
+        read_resp_reply(connection).await?;
+    }
+    Ok(())
+}
+
+/// Reads one reply to XADD: a bulk string (the id) or an error.
+async fn read_resp_reply(connection: &mut Connection) -> io::Result<()> {
+    loop {
+        let buf = &connection.buf;
+        if let Some(end) = memchr::memmem::find(buf, b"\r\n") {
+            match buf.first() {
+                Some(b'$') => {
+                    let length: i64 = std::str::from_utf8(&buf[1..end])
+                        .ok()
+                        .and_then(|n| n.parse().ok())
+                        .ok_or_else(|| io::Error::other("malformed Redis reply"))?;
+                    let total = end + 2 + if length < 0 { 0 } else { length as usize + 2 };
+                    if buf.len() >= total {
+                        connection.buf.drain(..total);
+                        return Ok(());
+                    }
+                }
+                _ => {
+                    return Err(io::Error::other(format!(
+                        "Redis answered {}",
+                        String::from_utf8_lossy(&buf[..end])
+                    )))
+                }
+            }
+        }
+        let mut chunk = [0u8; 16 * 1024];
+        let n = tokio::io::AsyncReadExt::read(&mut connection.stream, &mut chunk).await?;
+        if n == 0 {
+            return Err(io::Error::other("Redis closed the connection"));
+        }
+        connection.buf.extend_from_slice(&chunk[..n]);
+    }
+}

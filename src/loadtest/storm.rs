@@ -1,0 +1,123 @@
+//! `storm`: the reconnect storm after a pod went away. N clients connect, receive one broadcast
+//! (so each holds a real cursor), disconnect, and then all reconnect at the same moment with
+//! `Last-Event-ID`. Reports accepted connections per second, connect times and failures.
+
+use std::time::Duration;
+
+use serde_json::json;
+
+use super::{
+    emit, failed, payload,
+    probe::CpuMeter,
+    publisher::{Outgoing, Publisher},
+    tally::LatencySummary,
+    Common, LoadtestError, PublishOptions, Run,
+};
+
+/// Longest wait for the broadcast that hands every client its cursor.
+const CURSOR_WAIT: Duration = Duration::from_secs(30);
+
+#[derive(Debug, clap::Args)]
+pub struct StormArgs {
+    #[command(flatten)]
+    pub common: Common,
+    #[command(flatten)]
+    pub publish: PublishOptions,
+    /// Connection attempts in flight during the storm (default: all at once).
+    #[arg(long)]
+    pub storm_concurrency: Option<usize>,
+    /// Pause between the disconnect and the storm, so the server has let go of the old streams.
+    #[arg(long, default_value = "3s", value_parser = super::parse_duration)]
+    pub pause: Duration,
+}
+
+pub async fn run(run: &Run, args: &StormArgs) -> Result<(), LoadtestError> {
+    let n = run.devices.len();
+    let mut publisher: Publisher = run.publisher(&args.publish).await?;
+    let mut streams = run.open_all(None).await?;
+    let data = payload::Stamp {
+        seq: 0,
+        sent_us: payload::now_us(),
+        target: None,
+    }
+    .encode(payload::MIN_SIZE);
+    publisher
+        .publish(&run.devices, &[Outgoing { device: None, data }])
+        .await
+        .map_err(failed("publishing the cursor broadcast failed"))?;
+    let cursors = tokio::time::timeout(
+        CURSOR_WAIT,
+        futures_util::future::try_join_all(streams.iter_mut().map(|stream| async move {
+            let mut buf = vec![0u8; 4096];
+            let mut got = false;
+            while !got {
+                if !stream.read_events(&mut buf, |_| got = true).await? {
+                    return Err(std::io::Error::other("closed before the broadcast"));
+                }
+            }
+            Ok::<_, std::io::Error>(stream.counters.last_id.clone())
+        })),
+    )
+    .await
+    .map_err(|_| LoadtestError::Failed("the cursor broadcast did not reach every client".into()))?
+    .map_err(failed("waiting for the cursor broadcast"))?;
+    drop(streams);
+    println!(
+        "storm: {n} clients hold a cursor (e.g. {:?}); reconnecting all at once in {:?}",
+        cursors.first().map(String::as_str).unwrap_or(""),
+        args.pause
+    );
+    tokio::time::sleep(args.pause).await;
+
+    let concurrency = args.storm_concurrency.unwrap_or(n).max(1);
+    let cpu = CpuMeter::start(&run.server).await;
+    let opened = run
+        .open_streams(0..n, Some(&cursors), None, concurrency)
+        .await;
+    let cpu = cpu.stop(&run.server).await;
+    let mut times = hdrhistogram::Histogram::<u64>::new_with_bounds(1, 600_000_000, 3)
+        .expect("static histogram bounds");
+    let mut failures: std::collections::BTreeMap<String, u64> = Default::default();
+    let mut last_accept = Duration::ZERO;
+    let mut accepted = Vec::with_capacity(n);
+    for attempt in opened {
+        match attempt.result {
+            Ok(stream) => {
+                times.saturating_record(attempt.after.as_micros().max(1) as u64);
+                last_accept = last_accept.max(attempt.after);
+                accepted.push(stream);
+            }
+            Err(error) => *failures.entry(error.to_string()).or_default() += 1,
+        }
+    }
+    let rate = accepted.len() as f64 / last_accept.as_secs_f64().max(1e-3);
+    let connect = LatencySummary::of(&times);
+    println!(
+        "storm: {}/{n} reconnects accepted in {:.2} s: {rate:.0} connections/s ({concurrency} \
+         in flight); time to accept p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms; failures: {}",
+        accepted.len(),
+        last_accept.as_secs_f64(),
+        connect.p50_ms,
+        connect.p99_ms,
+        connect.max_ms,
+        if failures.is_empty() {
+            "none".to_string()
+        } else {
+            format!("{failures:?}")
+        }
+    );
+    println!("storm: {cpu}");
+    emit(json!({
+        "scenario": "storm",
+        "peer": run.peer,
+        "connections": n,
+        "concurrency": concurrency,
+        "accepted": accepted.len(),
+        "failures": failures,
+        "seconds": last_accept.as_secs_f64(),
+        "accepted_per_second": rate,
+        "time_to_accept": connect,
+        "cpu": cpu,
+    }));
+    Ok(())
+}

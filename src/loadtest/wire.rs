@@ -1,0 +1,485 @@
+//! The load tool's HTTP/1.1 and SSE client, written against raw sockets so that one connection
+//! costs one socket, one read buffer and a few counters: ten thousand of them must not make the
+//! tool the bottleneck. Parses chunked bodies properly (a chunk boundary may split an SSE line)
+//! and reads SSE fields without allocating per event.
+
+use std::{
+    io,
+    net::{IpAddr, SocketAddr},
+};
+
+use tokio::{
+    io::{AsyncReadExt, AsyncWriteExt},
+    net::{TcpSocket, TcpStream},
+};
+
+use super::{payload, Endpoint};
+
+/// Longest response head accepted from a server under test.
+const MAX_HEAD: usize = 16 * 1024;
+pub const READ_BUFFER: usize = 16 * 1024;
+
+/// Opens a TCP connection from `source` (a loopback address of the spread) to `addr`.
+pub async fn connect(
+    addr: SocketAddr,
+    source: Option<IpAddr>,
+    receive_buffer: Option<u32>,
+) -> io::Result<TcpStream> {
+    let socket = if addr.is_ipv4() {
+        TcpSocket::new_v4()?
+    } else {
+        TcpSocket::new_v6()?
+    };
+    if let Some(bytes) = receive_buffer {
+        // Before connect, so the advertised window is small from the first segment.
+        socket.set_recv_buffer_size(bytes)?;
+    }
+    if let Some(source) = source {
+        socket.bind(SocketAddr::new(source, 0))?;
+    }
+    let stream = socket.connect(addr).await?;
+    stream.set_nodelay(true)?;
+    Ok(stream)
+}
+
+/// `TCP_ESTABLISHED` of linux/include/net/tcp_states.h (not exported by libc).
+const TCP_ESTABLISHED: u8 = 1;
+
+/// Whether the kernel still holds the connection as established. A client that never reads
+/// learns of the server closing (or resetting) its stream only this way.
+pub fn established(stream: &TcpStream) -> bool {
+    use std::os::fd::AsRawFd;
+    // SAFETY: tcp_info is plain data; getsockopt writes at most `length` bytes into it.
+    unsafe {
+        let mut info: libc::tcp_info = std::mem::zeroed();
+        let mut length = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
+        let rc = libc::getsockopt(
+            stream.as_raw_fd(),
+            libc::IPPROTO_TCP,
+            libc::TCP_INFO,
+            (&mut info as *mut libc::tcp_info).cast(),
+            &mut length,
+        );
+        rc == 0 && info.tcpi_state == TCP_ESTABLISHED
+    }
+}
+
+/// A parsed response head.
+#[derive(Debug)]
+pub struct Head {
+    pub status: u16,
+    pub chunked: bool,
+    pub content_length: Option<usize>,
+}
+
+/// Reads a response head; bytes after it stay in `buf`.
+pub async fn read_head(stream: &mut TcpStream, buf: &mut Vec<u8>) -> io::Result<Head> {
+    loop {
+        if let Some(end) = memchr::memmem::find(buf, b"\r\n\r\n") {
+            let head = parse_head(&buf[..end])?;
+            buf.drain(..end + 4);
+            return Ok(head);
+        }
+        if buf.len() > MAX_HEAD {
+            return Err(invalid("response head longer than 16 KiB"));
+        }
+        let mut chunk = [0u8; 4096];
+        let n = stream.read(&mut chunk).await?;
+        if n == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                "closed before the response head",
+            ));
+        }
+        buf.extend_from_slice(&chunk[..n]);
+    }
+}
+
+fn parse_head(head: &[u8]) -> io::Result<Head> {
+    let text = std::str::from_utf8(head).map_err(|_| invalid("response head is not UTF-8"))?;
+    let mut lines = text.split("\r\n");
+    let status = lines
+        .next()
+        .and_then(|line| line.split(' ').nth(1))
+        .and_then(|code| code.parse().ok())
+        .ok_or_else(|| invalid("no status line"))?;
+    let mut chunked = false;
+    let mut content_length = None;
+    for line in lines {
+        let Some((name, value)) = line.split_once(':') else {
+            continue;
+        };
+        let value = value.trim();
+        if name.eq_ignore_ascii_case("transfer-encoding") {
+            chunked = value.eq_ignore_ascii_case("chunked");
+        } else if name.eq_ignore_ascii_case("content-length") {
+            content_length = value.parse().ok();
+        }
+    }
+    Ok(Head {
+        status,
+        chunked,
+        content_length,
+    })
+}
+
+fn invalid(message: &str) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, message.to_string())
+}
+
+/// Sends one request and reads the whole response (keep-alive connections of publishers and
+/// the admin calls). Returns status and body.
+pub async fn request(
+    stream: &mut TcpStream,
+    buf: &mut Vec<u8>,
+    raw_request: &[u8],
+) -> io::Result<(u16, Vec<u8>)> {
+    stream.write_all(raw_request).await?;
+    read_response(stream, buf).await
+}
+
+/// Reads one complete response with a `Content-Length` or chunked body.
+pub async fn read_response(
+    stream: &mut TcpStream,
+    buf: &mut Vec<u8>,
+) -> io::Result<(u16, Vec<u8>)> {
+    let head = read_head(stream, buf).await?;
+    let mut body = Vec::new();
+    if head.chunked {
+        let mut decoder = Dechunk::default();
+        loop {
+            let consumed = decoder.feed(buf, |bytes| body.extend_from_slice(bytes));
+            buf.drain(..consumed);
+            if decoder.finished() {
+                return Ok((head.status, body));
+            }
+            fill(stream, buf).await?;
+        }
+    }
+    let length = head.content_length.unwrap_or(0);
+    while buf.len() < length {
+        fill(stream, buf).await?;
+    }
+    body.extend(buf.drain(..length));
+    Ok((head.status, body))
+}
+
+async fn fill(stream: &mut TcpStream, buf: &mut Vec<u8>) -> io::Result<()> {
+    let mut chunk = [0u8; 8192];
+    let n = stream.read(&mut chunk).await?;
+    if n == 0 {
+        return Err(io::Error::new(
+            io::ErrorKind::UnexpectedEof,
+            "closed inside a response",
+        ));
+    }
+    buf.extend_from_slice(&chunk[..n]);
+    Ok(())
+}
+
+/// `Transfer-Encoding: chunked` decoder, fed with whatever a read returned.
+#[derive(Debug, Default)]
+pub struct Dechunk {
+    state: ChunkState,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ChunkState {
+    /// Reading a size line; the digits so far, and whether an extension (`;...`) started.
+    Size {
+        size: usize,
+        extension: bool,
+    },
+    Data(usize),
+    DataEnd,
+    /// After the last chunk: trailer lines up to an empty one.
+    Trailer {
+        line_start: bool,
+    },
+    Finished,
+}
+
+impl Default for ChunkState {
+    fn default() -> Self {
+        ChunkState::Size {
+            size: 0,
+            extension: false,
+        }
+    }
+}
+
+impl Dechunk {
+    /// Passes the body bytes in `input` to `out`; returns how many input bytes were consumed
+    /// (all of them unless the last chunk ended inside `input`).
+    pub fn feed(&mut self, input: &[u8], mut out: impl FnMut(&[u8])) -> usize {
+        let mut at = 0;
+        while at < input.len() {
+            self.state = match self.state {
+                ChunkState::Finished => return at,
+                ChunkState::Data(remaining) => {
+                    let take = remaining.min(input.len() - at);
+                    out(&input[at..at + take]);
+                    at += take;
+                    if take == remaining {
+                        ChunkState::DataEnd
+                    } else {
+                        ChunkState::Data(remaining - take)
+                    }
+                }
+                ChunkState::DataEnd => {
+                    at += 1;
+                    if input[at - 1] == b'\n' {
+                        ChunkState::default()
+                    } else {
+                        ChunkState::DataEnd
+                    }
+                }
+                ChunkState::Trailer { line_start } => {
+                    at += 1;
+                    match input[at - 1] {
+                        b'\n' if line_start => ChunkState::Finished,
+                        b'\n' => ChunkState::Trailer { line_start: true },
+                        b'\r' => ChunkState::Trailer { line_start },
+                        _ => ChunkState::Trailer { line_start: false },
+                    }
+                }
+                ChunkState::Size { size, extension } => {
+                    let byte = input[at];
+                    at += 1;
+                    match (byte, extension) {
+                        (b'\n', _) if size == 0 => ChunkState::Trailer { line_start: true },
+                        (b'\n', _) => ChunkState::Data(size),
+                        (b';', _) | (_, true) => ChunkState::Size {
+                            size,
+                            extension: true,
+                        },
+                        _ => ChunkState::Size {
+                            size: match (byte as char).to_digit(16) {
+                                Some(digit) => size * 16 + digit as usize,
+                                None => size,
+                            },
+                            extension: false,
+                        },
+                    }
+                }
+            };
+        }
+        at
+    }
+
+    pub fn finished(&self) -> bool {
+        self.state == ChunkState::Finished
+    }
+}
+
+/// What one SSE connection saw, besides the deliveries handed to the caller.
+#[derive(Debug, Default, Clone)]
+pub struct SseCounters {
+    /// Events whose data is not a load-test payload (e.g. `resync`).
+    pub foreign_events: u64,
+    pub resyncs: u64,
+    pub comments: u64,
+    pub last_id: String,
+    /// The last `retry:` value, and how many were seen.
+    pub last_retry: Option<u64>,
+    pub retries_seen: u64,
+}
+
+/// An SSE stream after its response head: a body decoder and a field parser that keeps only
+/// what the scenarios need.
+pub struct SseStream {
+    pub stream: TcpStream,
+    pending: Vec<u8>,
+    dechunk: Option<Dechunk>,
+    line: Vec<u8>,
+    event: PartialEvent,
+    pub counters: SseCounters,
+}
+
+#[derive(Debug, Default)]
+struct PartialEvent {
+    delivery: Option<payload::Stamp>,
+    has_data: bool,
+    resync: bool,
+}
+
+/// Opens `GET path` as an event stream; succeeds once the server answered 200.
+pub async fn open_sse(
+    endpoint: &Endpoint,
+    source: Option<IpAddr>,
+    path: &str,
+    last_event_id: Option<&str>,
+    receive_buffer: Option<u32>,
+) -> io::Result<SseStream> {
+    let mut stream = connect(endpoint.addr, source, receive_buffer).await?;
+    let mut request = format!(
+        "GET {path} HTTP/1.1\r\nHost: {}\r\nAccept: text/event-stream\r\n",
+        endpoint.host
+    );
+    if let Some(id) = last_event_id {
+        request.push_str("Last-Event-ID: ");
+        request.push_str(id);
+        request.push_str("\r\n");
+    }
+    request.push_str("\r\n");
+    stream.write_all(request.as_bytes()).await?;
+    let mut pending = Vec::with_capacity(1024);
+    let head = read_head(&mut stream, &mut pending).await?;
+    if head.status != 200 {
+        return Err(io::Error::other(format!("status {}", head.status)));
+    }
+    Ok(SseStream {
+        stream,
+        pending,
+        dechunk: head.chunked.then(Dechunk::default),
+        line: Vec::new(),
+        event: PartialEvent::default(),
+        counters: SseCounters::default(),
+    })
+}
+
+impl SseStream {
+    /// Reads once (or consumes what the head left over) and hands every complete load-test
+    /// event to `deliver`. Returns `Ok(false)` when the server closed the stream.
+    pub async fn read_events(
+        &mut self,
+        buf: &mut [u8],
+        mut deliver: impl FnMut(payload::Stamp),
+    ) -> io::Result<bool> {
+        let n = if self.pending.is_empty() {
+            let n = self.stream.read(buf).await?;
+            if n == 0 {
+                return Ok(false);
+            }
+            n
+        } else {
+            let n = self.pending.len().min(buf.len());
+            buf[..n].copy_from_slice(&self.pending[..n]);
+            self.pending.drain(..n);
+            n
+        };
+        let input = &buf[..n];
+        let mut dechunk = self.dechunk.take();
+        let mut open = true;
+        match dechunk.as_mut() {
+            Some(decoder) => {
+                decoder.feed(input, |bytes| self.parse(bytes, &mut deliver));
+                open = !decoder.finished();
+            }
+            None => self.parse(input, &mut deliver),
+        }
+        self.dechunk = dechunk;
+        Ok(open)
+    }
+
+    fn parse(&mut self, mut bytes: &[u8], deliver: &mut impl FnMut(payload::Stamp)) {
+        while let Some(end) = memchr::memchr(b'\n', bytes) {
+            if self.line.is_empty() {
+                self.field(&bytes[..end], deliver);
+            } else {
+                let mut line = std::mem::take(&mut self.line);
+                line.extend_from_slice(&bytes[..end]);
+                self.field(&line, deliver);
+                line.clear();
+                self.line = line;
+            }
+            bytes = &bytes[end + 1..];
+        }
+        self.line.extend_from_slice(bytes);
+    }
+
+    fn field(&mut self, line: &[u8], deliver: &mut impl FnMut(payload::Stamp)) {
+        let line = line.strip_suffix(b"\r").unwrap_or(line);
+        if line.is_empty() {
+            let event = std::mem::take(&mut self.event);
+            if event.resync {
+                self.counters.resyncs += 1;
+            }
+            match event.delivery {
+                Some(stamp) if !event.resync => deliver(stamp),
+                _ if event.has_data => self.counters.foreign_events += 1,
+                _ => {}
+            }
+            return;
+        }
+        if line[0] == b':' {
+            self.counters.comments += 1;
+            return;
+        }
+        let (name, value) = match memchr::memchr(b':', line) {
+            Some(colon) => {
+                let value = &line[colon + 1..];
+                (&line[..colon], value.strip_prefix(b" ").unwrap_or(value))
+            }
+            None => (line, &b""[..]),
+        };
+        match name {
+            b"data" => {
+                // A multi-line payload is never a load-test payload.
+                self.event.delivery = if self.event.has_data {
+                    None
+                } else {
+                    payload::Stamp::parse(value)
+                };
+                self.event.has_data = true;
+            }
+            b"id" => {
+                self.counters.last_id.clear();
+                self.counters
+                    .last_id
+                    .push_str(&String::from_utf8_lossy(value));
+            }
+            b"event" => self.event.resync = value == b"resync",
+            b"retry" => {
+                if let Some(ms) = std::str::from_utf8(value).ok().and_then(|v| v.parse().ok()) {
+                    self.counters.last_retry = Some(ms);
+                    self.counters.retries_seen += 1;
+                }
+            }
+            _ => {}
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dechunk_handles_sizes_split_across_reads() {
+        let body = b"5\r\nhello\r\n1;ext=1\r\n \r\n6\r\nworld!\r\n0\r\n\r\n";
+        for split in 0..body.len() {
+            let mut decoder = Dechunk::default();
+            let mut out = Vec::new();
+            let first = decoder.feed(&body[..split], |b| out.extend_from_slice(b));
+            assert_eq!(first, split);
+            assert!(!decoder.finished());
+            let rest = decoder.feed(&body[split..], |b| out.extend_from_slice(b));
+            assert_eq!(rest, body.len() - split, "the whole trailer is consumed");
+            assert_eq!(out, b"hello world!", "split at {split}");
+            assert!(decoder.finished());
+        }
+    }
+
+    #[test]
+    fn dechunk_sizes_are_hex() {
+        let mut body = b"1a\r\n".to_vec();
+        body.extend_from_slice(&[b'x'; 26]);
+        body.extend_from_slice(b"\r\n0\r\n\r\n");
+        let mut decoder = Dechunk::default();
+        let mut out = Vec::new();
+        decoder.feed(&body, |b| out.extend_from_slice(b));
+        assert_eq!(out.len(), 26);
+        assert!(decoder.finished());
+    }
+
+    #[test]
+    fn head_parsing() {
+        let head = parse_head(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nX: y").unwrap();
+        assert_eq!(head.status, 200);
+        assert!(head.chunked);
+        let head = parse_head(b"HTTP/1.1 201 Created\r\ncontent-length: 12").unwrap();
+        assert_eq!((head.status, head.content_length), (201, Some(12)));
+        assert!(parse_head(b"garbage").is_err());
+    }
+}
