@@ -124,10 +124,14 @@ pub fn serve(config: Config) -> Result<(), ServeError> {
         let hub = Arc::new(HubState::default());
 
         let router_arbiter = Arbiter::new();
-        let (shards, heartbeat, router_metrics) =
-            (backend.shards(), config.sse.heartbeat, metrics.clone());
+        let (shards, heartbeat, stall_timeout, router_metrics) = (
+            backend.shards(),
+            config.sse.heartbeat,
+            config.sse.stall_timeout,
+            metrics.clone(),
+        );
         let router = Router::start_in_arbiter(&router_arbiter.handle(), move |_| {
-            Router::new(shards, heartbeat, router_metrics)
+            Router::new(shards, heartbeat, stall_timeout, router_metrics)
         });
 
         let tail_arbiter = Arbiter::new();

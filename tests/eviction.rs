@@ -53,6 +53,8 @@ async fn client_that_never_reads_is_evicted_and_healthy_client_loses_nothing() {
     let hub = Hub::builder()
         .env("POSTHORN_SSE__QUEUE_LIMIT", "64")
         .env("POSTHORN_SSE__SEND_BUFFER", "4096")
+        // This test is about the queue limit; the stall sweep is tested below.
+        .env("POSTHORN_SSE__STALL_TIMEOUT", "0s")
         .start()
         .await;
     let mut stalled =
@@ -116,6 +118,60 @@ async fn client_that_never_reads_is_evicted_and_healthy_client_loses_nothing() {
         Some(1.0)
     );
     assert_eq!(scrape.value("sse_connections", &[]), Some(1.0));
+}
+
+/// At a low event rate a client that stopped reading would need minutes to fill its queue; the
+/// stall sweep drops it once queued events have waited `sse.stall_timeout` without being
+/// written, long before the queue is full. With the sweep off, the same client stays connected:
+/// so it is the sweep that evicts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_that_stopped_reading_is_evicted_by_the_stall_timeout_before_its_queue_fills() {
+    for (stall_timeout, evicted) in [("1s", true), ("0s", false)] {
+        let hub = Hub::builder()
+            .env("POSTHORN_SSE__SEND_BUFFER", "4096")
+            .env("POSTHORN_SSE__STALL_TIMEOUT", stall_timeout)
+            .start()
+            .await;
+        let mut stalled =
+            SseClient::connect_raw_never_read(hub.addr(), "/v1/devices/stalled-2/events").await;
+        let mut healthy = SseClient::connect(hub.addr(), "/v1/devices/healthy-2/events", &[]).await;
+        wait_for_metric(&hub, "sse_connections", &[], 2.0).await;
+        // 40 events of 4 KB: about three times what the kernel and actix buffers of the stalled
+        // connection absorb, and far below its queue limit of 256.
+        let payload = "z".repeat(4096);
+        for i in 0..40 {
+            broadcast(&hub, &format!("{i}:{payload}")).await;
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+        for i in 0..40 {
+            let event = healthy.expect_event(WAIT).await;
+            assert!(event.data.starts_with(&format!("{i}:")), "event {i}");
+        }
+        if evicted {
+            wait_for_metric(&hub, "sse_slow_consumer_disconnects_total", &[], 1.0).await;
+            assert!(is_closed_within(&mut stalled, WAIT).await);
+            let scrape = metrics::scrape(hub.addr()).await;
+            assert_eq!(
+                scrape.value_or_zero("router_events_total", &[("result", "queue_full")]),
+                0.0,
+                "evicted by the stall sweep, not by a full queue"
+            );
+        } else {
+            tokio::time::sleep(Duration::from_secs(3)).await;
+            let scrape = metrics::scrape(hub.addr()).await;
+            assert_eq!(scrape.value("sse_connections", &[]), Some(2.0));
+            assert_eq!(
+                scrape.value_or_zero("sse_slow_consumer_disconnects_total", &[]),
+                0.0
+            );
+        }
+        assert_eq!(
+            metrics::scrape(hub.addr())
+                .await
+                .value_or_zero("sse_connections_closed_total", &[("reason", "client")]),
+            0.0
+        );
+    }
 }
 
 /// Round after round of clients that never read are evicted, and the hub's resident memory stops

@@ -34,7 +34,13 @@ use crate::{
     backend::{Backend, BackendError},
     metrics::Metrics,
     model::{Cursor, DeviceId},
-    sse::{body::SseBody, control::StreamControl, frame, QueueItem},
+    sse::{
+        body::SseBody,
+        control::StreamControl,
+        frame,
+        queue::{self, QueueSender},
+        QueueItem,
+    },
 };
 
 /// Entries read from the backend per replay request.
@@ -170,7 +176,7 @@ pub struct Connection {
     shard: u32,
     /// Our own sending half: keeps the stream open until this actor decides how it ends (before
     /// registration the Router holds none). `None` once closing.
-    queue: Option<mpsc::Sender<QueueItem>>,
+    queue: Option<QueueSender>,
     /// Cursor and replay sender, taken when the actor starts.
     resume: Option<(String, mpsc::Sender<QueueItem>)>,
     /// Told once the Router has registered this connection, taken when the actor starts.
@@ -196,7 +202,7 @@ impl Connection {
         metrics: Arc<Metrics>,
         hub: Arc<HubState>,
     ) -> (SseBody, oneshot::Receiver<Recipient<Close>>) {
-        let (queue, live) = mpsc::channel(stream.queue_limit);
+        let (queue, live) = queue::channel(stream.queue_limit);
         let (resume, replay) = match stream.cursor {
             Some(cursor) => {
                 let (tx, rx) = mpsc::channel(REPLAY_BUFFER);

@@ -8,16 +8,22 @@
 //! Sends: events and pings by `try_send` into connection queues (never a wait, never a mailbox);
 //! [`Close`] to a Connection whose queue overflowed (`SlowConsumer`) or that a newer connection of
 //! the same device replaced (`Takeover`).
-//! Backpressure: a full queue is a slow client, evicted at once. The Router itself never awaits.
+//! Backpressure: a full queue is a slow client, evicted at once. So is a client whose queue has
+//! had events waiting for `sse.stall_timeout` without the body taking any (it stopped reading: at
+//! low event rates its queue would take minutes to fill), found by a sweep once per second. The
+//! Router itself never awaits.
 //! Drain: keeps routing until the last connection has closed; the Shutdown actor stops the tails.
 //! Heartbeats: one timer for the whole pod, ticking ten times per interval and pinging one tenth
 //! of the connections each tick, so pings are spread over time and no connection owns a timer.
 
-use std::{collections::HashMap, sync::Arc, time::Duration};
+use std::{
+    collections::HashMap,
+    sync::Arc,
+    time::{Duration, Instant},
+};
 
 use actix::prelude::*;
 use bytes::Bytes;
-use tokio::sync::mpsc::{self, error::TrySendError};
 
 use super::{
     close_reason::CloseReason,
@@ -26,10 +32,15 @@ use super::{
 use crate::{
     metrics::{Metrics, RouteResult},
     model::{DeviceId, Position, Target},
-    sse::QueueItem,
+    sse::{
+        queue::{QueueSender, TrySendError},
+        QueueItem,
+    },
 };
 
 const HEARTBEAT_SLICES: u64 = 10;
+/// How often queues are checked for stalled clients.
+const STALL_SWEEP: Duration = Duration::from_secs(1);
 
 /// One framed event from a tail, ready to queue.
 #[derive(Debug, Clone)]
@@ -54,7 +65,7 @@ pub struct Register {
     pub device: DeviceId,
     pub shard: u32,
     pub connection_id: u64,
-    pub queue: mpsc::Sender<QueueItem>,
+    pub queue: QueueSender,
     pub control: DrainTarget,
 }
 
@@ -73,7 +84,7 @@ pub struct Snapshot;
 
 struct Route {
     connection_id: u64,
-    queue: mpsc::Sender<QueueItem>,
+    queue: QueueSender,
     control: DrainTarget,
 }
 
@@ -83,15 +94,23 @@ pub struct Router {
     heartbeat: Duration,
     /// Counts heartbeat slices; connection ids modulo `HEARTBEAT_SLICES` pick their slice.
     heartbeat_tick: u64,
+    /// Evict a client whose queued events waited this long without progress (zero: never).
+    stall_timeout: Duration,
     metrics: Arc<Metrics>,
 }
 
 impl Router {
-    pub fn new(shards: u32, heartbeat: Duration, metrics: Arc<Metrics>) -> Self {
+    pub fn new(
+        shards: u32,
+        heartbeat: Duration,
+        stall_timeout: Duration,
+        metrics: Arc<Metrics>,
+    ) -> Self {
         Self {
             shards: (0..shards).map(|_| HashMap::new()).collect(),
             heartbeat,
             heartbeat_tick: 0,
+            stall_timeout,
             metrics,
         }
     }
@@ -103,11 +122,11 @@ impl Router {
         };
         match route.queue.try_send(item) {
             Ok(()) => RouteResult::Delivered,
-            Err(TrySendError::Full(_)) => {
+            Err(TrySendError::Full) => {
                 self.evict(shard, device);
                 RouteResult::QueueFull
             }
-            Err(TrySendError::Closed(_)) => {
+            Err(TrySendError::Closed) => {
                 self.remove(shard, device);
                 RouteResult::Closed
             }
@@ -126,8 +145,8 @@ impl Router {
             };
             match route.queue.try_send(item) {
                 Ok(()) => delivered += 1,
-                Err(TrySendError::Full(_)) => overflowed.push(device.clone()),
-                Err(TrySendError::Closed(_)) => closed.push(device.clone()),
+                Err(TrySendError::Full) => overflowed.push(device.clone()),
+                Err(TrySendError::Closed) => closed.push(device.clone()),
             }
         }
         self.metrics.routed(RouteResult::Delivered, delivered);
@@ -156,6 +175,25 @@ impl Router {
         self.shards[shard as usize].remove(device)
     }
 
+    fn evict_stalled(&mut self) {
+        let now = Instant::now();
+        let mut stalled = Vec::new();
+        for (shard, routes) in self.shards.iter().enumerate() {
+            for (device, route) in routes {
+                if route
+                    .queue
+                    .stalled_for(now)
+                    .is_some_and(|waited| waited >= self.stall_timeout)
+                {
+                    stalled.push((shard as u32, device.clone()));
+                }
+            }
+        }
+        for (shard, device) in stalled {
+            self.evict(shard, &device);
+        }
+    }
+
     fn ping_slice(&mut self) {
         let slice = self.heartbeat_tick % HEARTBEAT_SLICES;
         self.heartbeat_tick += 1;
@@ -168,8 +206,8 @@ impl Router {
                 }
                 match route.queue.try_send(QueueItem::Ping) {
                     Ok(()) => {}
-                    Err(TrySendError::Full(_)) => overflowed.push((shard as u32, device.clone())),
-                    Err(TrySendError::Closed(_)) => closed.push((shard as u32, device.clone())),
+                    Err(TrySendError::Full) => overflowed.push((shard as u32, device.clone())),
+                    Err(TrySendError::Closed) => closed.push((shard as u32, device.clone())),
                 }
             }
         }
@@ -191,6 +229,9 @@ impl Actor for Router {
         ctx.run_interval(self.heartbeat / HEARTBEAT_SLICES as u32, |router, _| {
             router.ping_slice()
         });
+        if !self.stall_timeout.is_zero() {
+            ctx.run_interval(STALL_SWEEP, |router, _| router.evict_stalled());
+        }
     }
 }
 

@@ -192,6 +192,9 @@ pub struct NatsConfig {
 pub struct SseConfig {
     pub queue_limit: usize,
     pub heartbeat: Duration,
+    /// A client whose queued events waited this long without being written is evicted; zero
+    /// leaves only the queue limit.
+    pub stall_timeout: Duration,
     /// Socket send buffer in bytes; 0 leaves the OS default.
     pub send_buffer: usize,
     pub retry_ms: u32,
@@ -391,6 +394,7 @@ impl Config {
         let sse = SseConfig {
             queue_limit: int_in("sse.queue_limit", raw.sse.queue_limit, 1, i64::MAX)?,
             heartbeat: duration("sse.heartbeat", &raw.sse.heartbeat)?,
+            stall_timeout: duration("sse.stall_timeout", &raw.sse.stall_timeout)?,
             // setsockopt takes a C int, hence the upper bound.
             send_buffer: int_in(
                 "sse.send_buffer",
@@ -406,6 +410,15 @@ impl Config {
                 format!(
                     "must be at least 100ms (got {})",
                     format_duration(sse.heartbeat)
+                ),
+            ));
+        }
+        if !sse.stall_timeout.is_zero() && sse.stall_timeout < Duration::from_secs(1) {
+            return Err(invalid(
+                "sse.stall_timeout",
+                format!(
+                    "must be 0s (off) or at least 1s (got {})",
+                    format_duration(sse.stall_timeout)
                 ),
             ));
         }
@@ -605,6 +618,7 @@ impl Config {
             "sse": {
                 "queue_limit": self.sse.queue_limit,
                 "heartbeat": d(self.sse.heartbeat),
+                "stall_timeout": d(self.sse.stall_timeout),
                 "send_buffer": self.sse.send_buffer,
                 "retry_ms": self.sse.retry_ms,
             },

@@ -137,6 +137,7 @@ impl Default for RawNats {
 pub struct RawSse {
     pub queue_limit: i64,
     pub heartbeat: String,
+    pub stall_timeout: String,
     pub send_buffer: i64,
     pub retry_ms: i64,
 }
@@ -146,6 +147,7 @@ impl Default for RawSse {
         Self {
             queue_limit: 256,
             heartbeat: "20s".into(),
+            stall_timeout: "10s".into(),
             send_buffer: 32_768,
             retry_ms: 3_000,
         }

@@ -144,7 +144,8 @@ pub async fn publish_paced(
         next += tick;
         tokio::time::sleep_until(next).await;
         let elapsed = started.elapsed();
-        let due = ((elapsed.as_secs_f64() * plan.rate) as u64).min(plan.total);
+        // Event i is due at i / rate: event 0 goes out at once.
+        let due = ((elapsed.as_secs_f64() * plan.rate) as u64 + 1).min(plan.total);
         if due <= sent {
             continue;
         }

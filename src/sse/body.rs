@@ -20,7 +20,7 @@ use actix_web::body::{BodySize, MessageBody};
 use bytes::{Bytes, BytesMut};
 use tokio::sync::mpsc;
 
-use super::{control::StreamControl, frame, QueueItem};
+use super::{control::StreamControl, frame, queue::QueueReceiver, QueueItem};
 use crate::{
     actors::connection::{BodyDropped, HubState},
     metrics::Metrics,
@@ -46,7 +46,7 @@ pub struct SseBody {
     /// Present while the Connection replays; its end switches the body to `live`.
     replay: Option<mpsc::Receiver<QueueItem>>,
     /// The bounded queue the Router (and the Connection) feed.
-    live: mpsc::Receiver<QueueItem>,
+    live: QueueReceiver,
     /// Newest position already written: live events at or before it are duplicates.
     floor: Option<Position>,
     ended: bool,
@@ -62,7 +62,7 @@ impl SseBody {
     pub fn new(
         prelude: Bytes,
         replay: Option<mpsc::Receiver<QueueItem>>,
-        live: mpsc::Receiver<QueueItem>,
+        live: QueueReceiver,
         control: Arc<StreamControl>,
         on_drop: Recipient<BodyDropped>,
         metrics: Arc<Metrics>,
@@ -197,7 +197,13 @@ impl MessageBody for SseBody {
             }
         }
         match chunk.into_bytes() {
-            Some(bytes) => Poll::Ready(Some(Ok(bytes))),
+            Some(bytes) => {
+                if this.replay.is_some() {
+                    // Replaying is progress too: live events wait behind it, not for the client.
+                    this.live.mark_progress();
+                }
+                Poll::Ready(Some(Ok(bytes)))
+            }
             None if this.ended && this.control.is_aborted() => Poll::Ready(Some(Err(Evicted))),
             None if this.ended => Poll::Ready(None),
             None => Poll::Pending,

@@ -3,6 +3,7 @@
 pub mod body;
 pub mod control;
 pub mod frame;
+pub mod queue;
 
 use bytes::Bytes;
 

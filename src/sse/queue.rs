@@ -1,0 +1,256 @@
+//! The bounded queue between the Router (and the Connection) and one SSE response body.
+//!
+//! A `VecDeque` under a mutex with a waker, instead of tokio's mpsc: a connection that is idle
+//! holds no queue storage at all (tokio allocates a 32-slot block per channel up front, 1.8 KB
+//! per connection that mostly sits idle), a send is one uncontended lock, and the body is woken
+//! only when the queue goes from empty to non-empty, not once per event.
+//!
+//! The queue also knows how long its oldest item has waited without the body taking anything:
+//! a client that stopped reading stops the body (actix-http polls it only when the socket
+//! accepts data), so that age is how the Router finds stalled clients before the queue is full.
+
+use std::{
+    collections::VecDeque,
+    sync::{Arc, Mutex, MutexGuard},
+    task::{Context, Poll},
+    time::{Duration, Instant},
+};
+
+use futures_util::task::AtomicWaker;
+
+use super::QueueItem;
+
+/// Storage kept after the queue drained; more is released so a burst does not pin memory.
+const RETAINED_CAPACITY: usize = 16;
+
+#[derive(Debug, PartialEq, Eq)]
+pub enum TrySendError {
+    /// `limit` items are waiting: the client is too slow.
+    Full,
+    /// The body is gone.
+    Closed,
+}
+
+pub fn channel(limit: usize) -> (QueueSender, QueueReceiver) {
+    let shared = Arc::new(Shared {
+        state: Mutex::new(State {
+            items: VecDeque::new(),
+            senders: 1,
+            receiver_alive: true,
+            waiting_since: None,
+        }),
+        waker: AtomicWaker::new(),
+        limit,
+    });
+    (
+        QueueSender {
+            shared: shared.clone(),
+        },
+        QueueReceiver { shared },
+    )
+}
+
+#[derive(Debug)]
+struct Shared {
+    state: Mutex<State>,
+    waker: AtomicWaker,
+    limit: usize,
+}
+
+#[derive(Debug)]
+struct State {
+    items: VecDeque<QueueItem>,
+    senders: usize,
+    receiver_alive: bool,
+    /// Since when the oldest waiting item has waited without progress (`None` when empty).
+    waiting_since: Option<Instant>,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
+#[derive(Debug)]
+pub struct QueueSender {
+    shared: Arc<Shared>,
+}
+
+impl QueueSender {
+    pub fn try_send(&self, item: QueueItem) -> Result<(), TrySendError> {
+        let mut state = self.shared.lock();
+        if !state.receiver_alive {
+            return Err(TrySendError::Closed);
+        }
+        if state.items.len() >= self.shared.limit {
+            return Err(TrySendError::Full);
+        }
+        let was_empty = state.items.is_empty();
+        if was_empty {
+            state.waiting_since = Some(Instant::now());
+        }
+        state.items.push_back(item);
+        drop(state);
+        // A body that found the queue empty registered its waker under the lock; one that left
+        // items behind will poll again on its own.
+        if was_empty {
+            self.shared.waker.wake();
+        }
+        Ok(())
+    }
+
+    /// How long the oldest waiting item has waited without the body taking anything.
+    pub fn stalled_for(&self, now: Instant) -> Option<Duration> {
+        let state = self.shared.lock();
+        state
+            .waiting_since
+            .map(|since| now.saturating_duration_since(since))
+    }
+}
+
+impl Clone for QueueSender {
+    fn clone(&self) -> Self {
+        self.shared.lock().senders += 1;
+        Self {
+            shared: self.shared.clone(),
+        }
+    }
+}
+
+impl Drop for QueueSender {
+    fn drop(&mut self) {
+        let mut state = self.shared.lock();
+        state.senders -= 1;
+        let last = state.senders == 0;
+        drop(state);
+        if last {
+            self.shared.waker.wake();
+        }
+    }
+}
+
+#[derive(Debug)]
+pub struct QueueReceiver {
+    shared: Arc<Shared>,
+}
+
+impl QueueReceiver {
+    /// The next item; `Ready(None)` once every sender is gone and the queue is empty.
+    pub fn poll_recv(&mut self, cx: &mut Context<'_>) -> Poll<Option<QueueItem>> {
+        let mut state = self.shared.lock();
+        match state.items.pop_front() {
+            Some(item) => {
+                state.waiting_since = if state.items.is_empty() {
+                    if state.items.capacity() > RETAINED_CAPACITY {
+                        state.items.shrink_to(RETAINED_CAPACITY);
+                    }
+                    None
+                } else {
+                    Some(Instant::now())
+                };
+                Poll::Ready(Some(item))
+            }
+            None if state.senders == 0 => Poll::Ready(None),
+            None => {
+                self.shared.waker.register(cx.waker());
+                Poll::Pending
+            }
+        }
+    }
+}
+
+impl QueueReceiver {
+    /// Restarts the stall clock of waiting items: the body wrote something else first.
+    pub fn mark_progress(&self) {
+        let mut state = self.shared.lock();
+        if state.waiting_since.is_some() {
+            state.waiting_since = Some(Instant::now());
+        }
+    }
+}
+
+impl Drop for QueueReceiver {
+    fn drop(&mut self) {
+        let mut state = self.shared.lock();
+        state.receiver_alive = false;
+        // Frames of a client that is gone are released now, not when the last sender goes.
+        let items = std::mem::take(&mut state.items);
+        state.waiting_since = None;
+        drop(state);
+        drop(items);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::task::Waker;
+
+    use super::*;
+
+    fn poll(receiver: &mut QueueReceiver) -> Poll<Option<QueueItem>> {
+        receiver.poll_recv(&mut Context::from_waker(Waker::noop()))
+    }
+
+    #[test]
+    fn bounded_fifo_that_ends_with_its_last_sender() {
+        let (sender, mut receiver) = channel(2);
+        let second = sender.clone();
+        sender.try_send(QueueItem::Retry(1)).unwrap();
+        second.try_send(QueueItem::Retry(2)).unwrap();
+        assert_eq!(sender.try_send(QueueItem::Ping), Err(TrySendError::Full));
+        assert!(matches!(
+            poll(&mut receiver),
+            Poll::Ready(Some(QueueItem::Retry(1)))
+        ));
+        drop(sender);
+        assert!(matches!(
+            poll(&mut receiver),
+            Poll::Ready(Some(QueueItem::Retry(2)))
+        ));
+        assert!(poll(&mut receiver).is_pending(), "a sender is left");
+        drop(second);
+        assert!(matches!(poll(&mut receiver), Poll::Ready(None)));
+    }
+
+    #[test]
+    fn sending_to_a_dropped_body_fails() {
+        let (sender, receiver) = channel(4);
+        drop(receiver);
+        assert_eq!(sender.try_send(QueueItem::Ping), Err(TrySendError::Closed));
+    }
+
+    #[test]
+    fn stall_age_counts_from_the_last_progress() {
+        let (sender, mut receiver) = channel(8);
+        let now = Instant::now();
+        assert_eq!(sender.stalled_for(now), None, "empty: nothing waits");
+        sender.try_send(QueueItem::Ping).unwrap();
+        sender.try_send(QueueItem::Ping).unwrap();
+        let later = Instant::now() + Duration::from_secs(5);
+        assert!(sender.stalled_for(later).unwrap() >= Duration::from_secs(4));
+        let _ = poll(&mut receiver);
+        assert!(
+            sender.stalled_for(Instant::now()).unwrap() < Duration::from_secs(1),
+            "taking an item is progress"
+        );
+        let _ = poll(&mut receiver);
+        assert_eq!(sender.stalled_for(later), None);
+    }
+
+    #[tokio::test]
+    async fn an_empty_queue_wakes_its_body_on_send() {
+        let (sender, mut receiver) = channel(4);
+        let waiter =
+            tokio::spawn(async move { std::future::poll_fn(|cx| receiver.poll_recv(cx)).await });
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        sender.try_send(QueueItem::Retry(7)).unwrap();
+        let item = tokio::time::timeout(Duration::from_secs(5), waiter)
+            .await
+            .expect("woken")
+            .unwrap();
+        assert!(matches!(item, Some(QueueItem::Retry(7))));
+    }
+}

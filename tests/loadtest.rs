@@ -1,0 +1,249 @@
+//! `posthorn loadtest` against a real hub (SPEC 10): each scenario runs small and bounded, and its
+//! JSON line must add up exactly — every delivery counted, evictions seen, the drain measured.
+//! The figures themselves are benchmarks (docs/BENCHMARKS.md), never asserted here.
+
+mod support;
+
+use std::{process::Stdio, time::Duration};
+
+use serde_json::Value;
+use tokio::process::Command;
+
+use support::Hub;
+
+const BIN: &str = env!("CARGO_BIN_EXE_posthorn");
+const WAIT: Duration = Duration::from_secs(120);
+const EX_USAGE: i32 = 64;
+
+/// Runs `posthorn loadtest ARGS`; returns exit code, the last stdout line as JSON (if any), and
+/// the whole output for messages.
+async fn loadtest(args: &[&str]) -> (i32, Option<Value>, String) {
+    let mut cmd = Command::new(BIN);
+    cmd.arg("loadtest")
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true);
+    let output = tokio::time::timeout(WAIT, cmd.output())
+        .await
+        .expect("loadtest within its bound")
+        .expect("run loadtest");
+    let stdout = String::from_utf8_lossy(&output.stdout).to_string();
+    let text = format!("{stdout}{}", String::from_utf8_lossy(&output.stderr));
+    let json = stdout
+        .lines()
+        .last()
+        .and_then(|line| serde_json::from_str(line).ok());
+    (output.status.code().unwrap_or(-1), json, text)
+}
+
+async fn run_ok(args: &[&str]) -> Value {
+    let (code, json, text) = loadtest(args).await;
+    assert_eq!(code, 0, "{text}");
+    json.unwrap_or_else(|| panic!("no JSON line: {text}"))
+}
+
+fn u(value: &Value) -> u64 {
+    value
+        .as_u64()
+        .unwrap_or_else(|| panic!("not a count: {value}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unicast_and_broadcast_fanout_count_every_delivery() {
+    let hub = Hub::builder().start().await;
+    let url = hub.base_url();
+    let pid = hub.pid().to_string();
+    let report = run_ok(&[
+        "fanout",
+        "--url",
+        &url,
+        "-n",
+        "40",
+        "--mode",
+        "unicast",
+        "--rate",
+        "400",
+        "--duration",
+        "2s",
+        "--size",
+        "120",
+        "--pid",
+        &pid,
+    ])
+    .await;
+    assert_eq!(report["lossless"], true, "{report}");
+    let deliveries = &report["deliveries"];
+    assert_eq!(u(&deliveries["expected"]), 800, "{report}");
+    assert_eq!(u(&deliveries["distinct"]), 800);
+    assert_eq!(u(&deliveries["received"]), 800);
+    assert_eq!(u(&report["latency"]["samples"]), 800);
+    assert!(report["cpu"]["tool_percent"].as_f64().is_some());
+    assert!(report["cpu"]["server_percent"].as_f64().is_some());
+
+    let plot = support::unique_temp_dir("loadtest-plot").join("cdf.svg");
+    let report = run_ok(&[
+        "fanout",
+        "--url",
+        &url,
+        "-n",
+        "25",
+        "--mode",
+        "broadcast",
+        "--rate",
+        "20",
+        "--duration",
+        "1s",
+        "--plot",
+        plot.to_str().unwrap(),
+    ])
+    .await;
+    assert_eq!(report["lossless"], true, "{report}");
+    assert_eq!(u(&report["deliveries"]["expected"]), 25 * 20);
+    assert_eq!(u(&report["deliveries"]["distinct"]), 25 * 20);
+    let svg = std::fs::read_to_string(&plot).expect("plot written");
+    assert!(svg.starts_with("<svg") && svg.contains("polyline"));
+}
+
+/// The accounting is exact: events appended to the hub's log while the tool publishes are not
+/// mistaken for its own, and a device the hub routes wrongly would count as misrouted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn foreign_events_are_not_counted_as_deliveries() {
+    let hub = Hub::builder().start().await;
+    let url = hub.base_url();
+    let publisher = {
+        let addr = hub.addr();
+        tokio::spawn(async move {
+            for _ in 0..20 {
+                support::http::post_json(
+                    addr,
+                    "/v1/events",
+                    &serde_json::json!({ "broadcast": true, "data": "not a load-test payload" }),
+                )
+                .await;
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        })
+    };
+    let report = run_ok(&[
+        "fanout",
+        "--url",
+        &url,
+        "-n",
+        "10",
+        "--mode",
+        "unicast",
+        "--rate",
+        "100",
+        "--duration",
+        "2s",
+    ])
+    .await;
+    publisher.await.unwrap();
+    assert_eq!(report["lossless"], true, "{report}");
+    assert_eq!(u(&report["deliveries"]["distinct"]), 200);
+    assert_eq!(u(&report["deliveries"]["misrouted"]), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_scenario_sees_every_never_reading_client_evicted() {
+    let hub = Hub::builder()
+        .env("POSTHORN_SSE__SEND_BUFFER", "4096")
+        .env("POSTHORN_SSE__STALL_TIMEOUT", "1s")
+        .start()
+        .await;
+    let report = run_ok(&[
+        "slow",
+        "--url",
+        &hub.base_url(),
+        "-n",
+        "40",
+        "--slow-fraction",
+        "0.25",
+        "--rate",
+        "50",
+        "--size",
+        "2048",
+        "--duration",
+        "4s",
+        "--pid",
+        &hub.pid().to_string(),
+    ])
+    .await;
+    assert_eq!(u(&report["slow_connections"]), 10, "{report}");
+    assert_eq!(u(&report["evicted"]), 10, "{report}");
+    assert_eq!(report["healthy_lossless"], true, "{report}");
+    assert_eq!(u(&report["healthy"]["distinct"]), 30 * 200);
+    assert!(u(&report["memory_peak"]["rss_kib"]) > 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_storm_and_drain_scenarios_report_what_happened() {
+    let hub = Hub::builder().start().await;
+    let url = hub.base_url();
+    let pid = hub.pid().to_string();
+    let report = run_ok(&[
+        "idle", "--url", &url, "-n", "30", "--fill", "5", "--settle", "500ms", "--pid", &pid,
+    ])
+    .await;
+    assert!(
+        report["bytes_per_connection"].as_f64().is_some(),
+        "{report}"
+    );
+    assert!(report["bytes_per_connection_full"].as_f64().is_some());
+    assert_eq!(u(&report["open_after_fill"]), 30);
+
+    let report = run_ok(&["storm", "--url", &url, "-n", "60", "--pause", "500ms"]).await;
+    assert_eq!(u(&report["accepted"]), 60, "{report}");
+    assert!(report["failures"].as_object().unwrap().is_empty());
+    drop(hub);
+
+    let mut hub = Hub::builder()
+        .env("POSTHORN_DRAIN__GRACE", "6s")
+        .env("POSTHORN_DRAIN__RETRY_MIN", "1s")
+        .env("POSTHORN_DRAIN__RETRY_MAX", "5s")
+        .start()
+        .await;
+    let report = run_ok(&[
+        "drain",
+        "--url",
+        &hub.base_url(),
+        "-n",
+        "30",
+        "--pid",
+        &hub.pid().to_string(),
+    ])
+    .await;
+    assert_eq!(u(&report["closed"]), 30, "{report}");
+    assert_eq!(u(&report["retries"]), 30, "every client got a drain retry");
+    let (low, high) = (
+        report["retry_min_s"].as_f64().unwrap(),
+        report["retry_max_s"].as_f64().unwrap(),
+    );
+    assert!(
+        (1.0..=5.0).contains(&low) && (1.0..=5.0).contains(&high),
+        "{report}"
+    );
+    assert!(report["exit_s"].as_f64().is_some(), "{report}");
+    assert!(hub.wait_exit(Duration::from_secs(10)).await.is_some());
+}
+
+#[tokio::test]
+async fn remote_targets_and_unbounded_runs_are_refused() {
+    let (code, _, text) = loadtest(&["idle", "--url", "http://10.0.0.1:8080", "-n", "1"]).await;
+    assert_eq!(code, EX_USAGE, "{text}");
+    assert!(text.contains("--allow-remote"), "{text}");
+    let (code, _, text) = loadtest(&[
+        "fanout",
+        "--url",
+        "http://127.0.0.1:9",
+        "--rate",
+        "1000000",
+        "--duration",
+        "1000s",
+    ])
+    .await;
+    assert_eq!(code, EX_USAGE, "{text}");
+    assert!(text.contains("bound"), "{text}");
+}
