@@ -102,6 +102,10 @@ pub struct TailBatch {
     pub gaps: Vec<Gap>,
     /// Entries read but not deliverable (missing or invalid fields), counted by the StreamTail.
     pub skipped: u64,
+    /// Unix ms at which the newest entry read was appended, for the lag metric, when positions
+    /// do not carry that time (JetStream positions are stream sequences). `None`: the lag comes
+    /// from `Position::ms` of the newest event (memory, Redis).
+    pub newest_ms: Option<u64>,
 }
 
 /// The per-group reader a StreamTail drives. Dropping it abandons any blocked read.
