@@ -141,6 +141,14 @@ async fn delivers_published_and_external_events() {
     let subject = subject("pos-17");
     produce(&js, &subject, &[("Posthorn-Type", "x")], b"no device").await;
     produce(&js, &subject, &[("Posthorn-Dev", "pos-17")], &[0xff, 0xfe]).await;
+    // Matches the stream's filter but names no shard.
+    produce(
+        &js,
+        "posthorn.ev.x",
+        &[("Posthorn-Dev", "pos-17")],
+        b"no shard",
+    )
+    .await;
     produce(
         &js,
         &subject,
@@ -183,10 +191,10 @@ async fn delivers_published_and_external_events() {
         client.next_event(Duration::from_millis(500)).await,
         SseNext::Timeout
     ));
-    // 1 + 2 skipped + 2 external + 64 broadcast copies, one per shard subject.
-    assert_eq!(stream_state(&js).await.messages, 69);
+    // 1 + 3 skipped + 2 external + 64 broadcast copies, one per shard subject.
+    assert_eq!(stream_state(&js).await.messages, 70);
     let scrape = metrics::scrape(hub.addr()).await;
-    assert_eq!(scrape.value("tail_entries_skipped_total", &[]), Some(2.0));
+    assert_eq!(scrape.value("tail_entries_skipped_total", &[]), Some(3.0));
     assert!(scrape.has_help("nats_tail_lag_seconds"));
     assert!(scrape.has_help("nats_tail_reconnects_total"));
     let lag = scrape
@@ -363,8 +371,9 @@ async fn recreated_stream_gives_data_lost() {
 
 /// nats-server restarts with its store while a publisher keeps publishing (retrying with its
 /// idempotency key until the hub answers 201): the connected client receives every event exactly
-/// once, in order, without a resync; readiness reports the outage while it lasts, and the tail
-/// counts its reconnect.
+/// once, in order, without a resync, including those an external producer published right after
+/// the restart, before the tail had a new consumer (it resumes after its last sequence, not from
+/// "new"); readiness reports the outage while it lasts, and the tail counts its reconnect.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn restart_with_store_loses_nothing() {
     let Some(mut nats) = NatsServer::start().await else {
@@ -378,6 +387,17 @@ async fn restart_with_store_loses_nothing() {
             nats.stop().await;
             wait_for_readiness(&hub, 503).await;
             nats.start_again().await;
+            let js = nats.jetstream().await;
+            for k in 0..5 {
+                let data = format!("x{k}");
+                produce(
+                    &js,
+                    &subject("pos-7"),
+                    &[("Posthorn-Dev", "pos-7")],
+                    data.as_bytes(),
+                )
+                .await;
+            }
         }
         let event = json!({ "device": "pos-7", "data": i.to_string(), "key": format!("seq-{i}") });
         let deadline = tokio::time::Instant::now() + WAIT;
@@ -394,10 +414,14 @@ async fn restart_with_store_loses_nothing() {
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
     }
-    for i in 0..EVENTS {
+    let expected = (0..EVENTS / 2)
+        .map(|i| i.to_string())
+        .chain((0..5).map(|k| format!("x{k}")))
+        .chain((EVENTS / 2..EVENTS).map(|i| i.to_string()));
+    for (n, data) in expected.enumerate() {
         let event = client.expect_event(WAIT).await;
         assert_eq!(event.event, "message", "no resync: {event:?}");
-        assert_eq!(event.data, i.to_string(), "gap or duplicate at {i}");
+        assert_eq!(event.data, data, "gap or duplicate at event {n}");
     }
     assert!(matches!(
         client.next_event(Duration::from_millis(500)).await,
