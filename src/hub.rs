@@ -18,6 +18,7 @@ use crate::{
     },
     backend::{
         memory::MemorySettings,
+        nats::{NatsBackend, NatsSettings},
         redis::{RedisBackend, RedisSettings},
         Backend, MemoryBackend,
     },
@@ -67,11 +68,6 @@ pub fn check_servable(config: &Config) -> Result<(), ServeError> {
                 .into(),
         ));
     }
-    if config.backend.kind == BackendKind::Nats {
-        return Err(ServeError::Unservable(
-            "backend.kind = nats is not available in this build yet; use memory or redis".into(),
-        ));
-    }
     Ok(())
 }
 
@@ -99,11 +95,14 @@ pub async fn build_backend(config: &Config) -> Result<Arc<dyn Backend>, ServeErr
                 .await
                 .map_err(|error| ServeError::Backend(error.to_string()))?,
         ),
-        BackendKind::Nats => {
-            return Err(ServeError::Unservable(
-                "backend.kind = nats is not available yet".into(),
-            ))
-        }
+        BackendKind::Nats => Arc::new(
+            NatsBackend::connect(NatsSettings {
+                nats: config.nats.clone(),
+                dedupe_window: config.publish.dedupe_window,
+            })
+            .await
+            .map_err(|error| ServeError::Backend(error.to_string()))?,
+        ),
     })
 }
 

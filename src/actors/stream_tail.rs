@@ -269,6 +269,7 @@ impl TailLoop {
             events,
             gaps,
             skipped,
+            newest_ms,
         } = batch;
         if skipped > 0 {
             self.metrics.tail_entries_skipped.inc_by(skipped);
@@ -277,7 +278,7 @@ impl TailLoop {
                 self.group
             );
         }
-        let newest_ms = events.iter().map(|event| event.position.ms).max();
+        let newest_ms = newest_ms.or_else(|| events.iter().map(|event| event.position.ms).max());
         let count = events.len() as u64;
         if count > 0 {
             self.metrics.tail_batch(self.group, events.len());

@@ -1,4 +1,4 @@
-//! The one backend trait the actors talk to (memory here; Redis and NATS implement the same).
+//! The one backend trait the actors talk to (memory, Redis Streams and NATS JetStream implement it).
 //!
 //! # Contract
 //! - **Shards and positions.** A backend stores `shards` append-only logs. Within one shard,
@@ -17,6 +17,7 @@
 //!   window is not appended again and returns the original cursor.
 
 pub mod memory;
+pub mod nats;
 pub mod redis;
 
 use std::{ops::Range, sync::Arc};
@@ -27,6 +28,7 @@ use thiserror::Error;
 use crate::model::{Cursor, Epoch, EventType, Position, Target};
 
 pub use memory::MemoryBackend;
+pub use nats::NatsBackend;
 pub use redis::RedisBackend;
 
 #[derive(Debug, Error, Clone)]
@@ -102,6 +104,10 @@ pub struct TailBatch {
     pub gaps: Vec<Gap>,
     /// Entries read but not deliverable (missing or invalid fields), counted by the StreamTail.
     pub skipped: u64,
+    /// Unix ms at which the newest entry read was appended, for the lag metric, when positions
+    /// do not carry that time (JetStream positions are stream sequences). `None`: the lag comes
+    /// from `Position::ms` of the newest event (memory, Redis).
+    pub newest_ms: Option<u64>,
 }
 
 /// The per-group reader a StreamTail drives. Dropping it abandons any blocked read.

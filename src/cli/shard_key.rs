@@ -1,9 +1,9 @@
 //! `posthorn shard-key DEVICE`: where a device's events live under the active configuration.
 
 use super::{CliError, ConfigArg};
-use crate::backend::redis::layout_of;
+use crate::backend::{nats, redis::layout_of};
 use crate::{
-    config::Config,
+    config::{BackendKind, Config},
     model::{shard_of, DeviceId},
 };
 
@@ -25,6 +25,12 @@ pub fn run(args: ShardKeyArgs) -> Result<(), CliError> {
     let device = DeviceId::parse(&args.device).map_err(|error| {
         CliError::Usage(format!("invalid device id {:?}: {error}", args.device))
     })?;
+    if config.backend.kind == BackendKind::Nats {
+        let shard = shard_of(device.as_str(), config.nats.shards);
+        let subject = nats::layout_of(&config.nats).subject(shard);
+        println!("shard={shard} subject={subject}");
+        return Ok(());
+    }
     let shard = shard_of(device.as_str(), config.redis.shards);
     let mut line = format!("shard={shard} key={}", stream_key(&config, shard));
     if !config.redis.urls.is_empty() {

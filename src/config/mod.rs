@@ -505,6 +505,17 @@ impl Config {
         let publish = PublishConfig {
             dedupe_window: duration("publish.dedupe_window", &raw.publish.dedupe_window)?,
         };
+        // JetStream refuses a duplicate window longer than the stream's max age.
+        if backend.kind == BackendKind::Nats && publish.dedupe_window > nats.retention {
+            return Err(invalid(
+                "publish.dedupe_window",
+                format!(
+                    "must not exceed nats.retention ({}) with backend.kind = nats (got {})",
+                    format_duration(nats.retention),
+                    format_duration(publish.dedupe_window)
+                ),
+            ));
+        }
 
         let limits = LimitsConfig {
             max_event_bytes: int_in(
@@ -1141,6 +1152,10 @@ mod tests {
             ("[server]\nworkers = -1\n", "server.workers: "),
             ("[backend]\nkind = \"kafka\"\n", "backend.kind: "),
             ("[limits]\nmax_body_bytes = 10\n", "limits.max_body_bytes: "),
+            (
+                "[backend]\nkind = \"nats\"\n[nats]\nretention = \"5m\"\n",
+                "publish.dedupe_window: ",
+            ),
         ];
         for (text, prefix) in cases {
             let got = err_text(text, &[]);

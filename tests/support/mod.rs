@@ -9,6 +9,7 @@
 pub mod http;
 pub mod hub;
 pub mod metrics;
+pub mod nats;
 pub mod nginx;
 pub mod redis;
 pub mod sse;

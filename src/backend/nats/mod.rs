@@ -1,0 +1,658 @@
+//! The NATS JetStream backend (SPEC 3): one stream (`nats.stream`) over the subjects
+//! `{subject_prefix}.{shard}`, read by one StreamTail (one group: all shards).
+//!
+//! Written for nats-server 2.9 (what Debian and CI ship): one filter subject per consumer, no
+//! multi-filter consumers, no batched direct gets.
+//!
+//! - **Stream**: created at start-up when missing: subjects `{prefix}.*`, file storage, limits
+//!   retention, max age `nats.retention`, duplicate window `publish.dedupe_window`. An existing
+//!   stream is adopted, and its max age and duplicate window are set to ours, unless it
+//!   conflicts with the format or with resuming (other subjects, a retention policy that deletes
+//!   consumed messages, no acks, sealed, a mirror): then start-up stops, naming the difference.
+//!   A stream deleted at run time is created again by the next tail check or resume.
+//! - **Positions** are stream sequences (`Position { ms: 0, seq }`, see [`layout`]); the tail
+//!   reports message timestamps separately for its lag metric (`TailBatch::newest_ms`).
+//! - **Epoch**: the stream's creation time ([`layout::epoch_of`]), kept in the store, so a
+//!   restart with its store directory keeps every cursor valid, and a recreated stream answers
+//!   older cursors `resync` `data_lost`. Appends stamp the epoch last seen (at start-up, by the
+//!   tail's check every 2 s, by resumes).
+//! - **Head** of every shard is the stream's last sequence. All shards share the sequence space,
+//!   so "nothing after it" holds for each of them, and a cursor the hub hands out in a `resync`
+//!   (the tail continues after the stream's last sequence when it finds a loss) is never above
+//!   the head of its shard.
+//! - **Trimmed through**: retention removes messages by age from the front of the *stream*, so
+//!   for a shard all we know is that every sequence below the stream's first one may be gone:
+//!   `trimmed_through = first_seq - 1`, for every shard. This is conservative: a device whose
+//!   shard had no message between its cursor and the stream's first sequence gets `expired`
+//!   although it missed nothing. When sequences inside the retained range are missing too
+//!   (per-subject limits, deleted or purged messages), the shard's own first retained message
+//!   bounds it instead (`first retained on the subject - 1`, or the head when none is left).
+//!   Not detected: an operator deleting single messages *between* two retained messages of one
+//!   subject.
+//! - **Append** publishes with headers `Posthorn-Dev`, `Posthorn-Type` and `Nats-Msg-Id` (the
+//!   idempotency key; a broadcast's copy on shard `s` uses `{key}:{s}`), sends a window of
+//!   publishes and then awaits their acks. JetStream deduplicates within the duplicate window and
+//!   answers a duplicate with the original sequence, which becomes the original cursor.
+//! - **Replay** (`read_after`) creates an ephemeral pull consumer filtered on the shard's subject
+//!   from `after + 1` and fetches the page, then deletes the consumer: three round trips per page
+//!   whatever its size, and the server does the filtering. Direct gets would cost one round trip
+//!   per message (batched direct gets need nats-server 2.11).
+//! - **Trim**: JetStream applies `max_age` itself, to messages from any producer, so the
+//!   periodic trim has nothing to do.
+
+mod layout;
+mod message;
+mod tail;
+
+use std::{
+    cmp::min,
+    ops::Range,
+    sync::{Arc, Mutex},
+    time::Duration,
+};
+
+use async_nats::{
+    connection::State as ConnectionState,
+    jetstream::{
+        self,
+        consumer::{pull, AckPolicy, DeliverPolicy},
+        context::{GetStreamErrorKind, PublishErrorKind},
+        stream::{self, LastRawMessageErrorKind, RetentionPolicy, StorageType},
+    },
+    ConnectOptions, HeaderMap,
+};
+use bytes::Bytes;
+use futures_util::{future::BoxFuture, FutureExt, StreamExt};
+
+pub use layout::{layout_of, Layout};
+
+use super::{
+    Appended, Backend, BackendError, BackendResult, NewEvent, ShardState, StoredEvent, Tail,
+};
+use crate::{
+    config::NatsConfig,
+    model::{shard_of, Cursor, Epoch, Target},
+};
+
+/// How long start-up waits for the connection.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// Longest wait for a JetStream API request or a publish acknowledgement.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
+/// Publishes sent before awaiting their acks: bounds what one append holds in flight.
+const PUBLISH_WINDOW: usize = 256;
+/// Messages per replay fetch request.
+const FETCH_MAX: usize = 1000;
+/// A replay consumer whose deletion failed is removed by the server after this.
+const REPLAY_CONSUMER_IDLE: Duration = Duration::from_secs(10);
+
+/// The validated `[nats]` section plus the idempotency window of `[publish]`.
+#[derive(Debug, Clone)]
+pub struct NatsSettings {
+    pub nats: NatsConfig,
+    pub dedupe_window: Duration,
+}
+
+pub struct NatsBackend {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    layout: Layout,
+    settings: NatsSettings,
+    client: async_nats::Client,
+    jetstream: jetstream::Context,
+    /// The stream's epoch as last seen; stamped on the cursors of appends.
+    epoch: Mutex<Epoch>,
+}
+
+fn unavailable(what: &str, error: impl std::fmt::Display) -> BackendError {
+    BackendError::Unavailable(format!("nats: {what}: {error}"))
+}
+
+impl NatsBackend {
+    /// Connects and creates or adopts the stream; fails when NATS cannot be reached within
+    /// [`CONNECT_TIMEOUT`] or the existing stream conflicts with ours.
+    pub async fn connect(settings: NatsSettings) -> BackendResult<Self> {
+        let client = ConnectOptions::new()
+            .name("posthorn")
+            .connection_timeout(CONNECT_TIMEOUT)
+            .request_timeout(Some(REQUEST_TIMEOUT))
+            // The client reconnects forever (the default); say so in the log, once per change.
+            .event_callback(|event| async move {
+                match event {
+                    async_nats::Event::Connected => log::info!("nats: connected"),
+                    other => log::warn!("nats: {other}"),
+                }
+            })
+            .connect(settings.nats.url.as_str())
+            .await
+            .map_err(|error| unavailable("cannot connect", error))?;
+        let jetstream = jetstream::ContextBuilder::new()
+            .timeout(REQUEST_TIMEOUT)
+            .build(client.clone());
+        let layout = layout_of(&settings.nats);
+        let inner = Inner {
+            layout,
+            settings,
+            client,
+            jetstream,
+            // Replaced below, before anything reads it.
+            epoch: Mutex::new(layout::epoch_of(0)),
+        };
+        let info = inner.adopt_or_create_stream().await?;
+        inner.set_epoch(layout::epoch_of(info.created.unix_timestamp_nanos()));
+        Ok(Self {
+            inner: Arc::new(inner),
+        })
+    }
+}
+
+/// The stream posthorn needs (SPEC 3).
+fn wanted_stream(layout: &Layout, settings: &NatsSettings) -> stream::Config {
+    stream::Config {
+        name: layout.stream.clone(),
+        subjects: vec![layout.filter()],
+        max_age: settings.nats.retention,
+        duplicate_window: settings.dedupe_window,
+        storage: StorageType::File,
+        retention: RetentionPolicy::Limits,
+        description: Some("posthorn events: one subject per shard (SPEC 3)".into()),
+        ..Default::default()
+    }
+}
+
+/// Why an existing stream cannot carry posthorn's events, if it cannot.
+fn conflict(existing: &stream::Config, wanted: &stream::Config) -> Option<String> {
+    if existing.subjects != wanted.subjects {
+        return Some(format!(
+            "it has subjects {:?}, posthorn needs exactly {:?}",
+            existing.subjects, wanted.subjects
+        ));
+    }
+    if existing.retention != RetentionPolicy::Limits {
+        return Some(format!(
+            "its retention policy is {:?}, which deletes messages a consumer has seen; posthorn \
+             needs limits retention to resume devices",
+            existing.retention
+        ));
+    }
+    if existing.no_ack {
+        return Some("it does not acknowledge publishes (no_ack)".into());
+    }
+    if existing.sealed {
+        return Some("it is sealed".into());
+    }
+    if existing.mirror.is_some() {
+        return Some("it is a mirror, which accepts no publishes".into());
+    }
+    None
+}
+
+fn is_not_found(error: &jetstream::context::GetStreamError) -> bool {
+    matches!(error.kind(), GetStreamErrorKind::JetStream(e) if e.error_code() == jetstream::ErrorCode::STREAM_NOT_FOUND)
+}
+
+impl Inner {
+    fn epoch(&self) -> Epoch {
+        self.epoch
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .clone()
+    }
+
+    fn set_epoch(&self, epoch: Epoch) {
+        *self
+            .epoch
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner()) = epoch;
+    }
+
+    /// Start-up: uses the existing stream when it is compatible (aligning its max age and
+    /// duplicate window with the configuration), creates it when it is missing.
+    async fn adopt_or_create_stream(&self) -> BackendResult<stream::Info> {
+        let wanted = wanted_stream(&self.layout, &self.settings);
+        match self.jetstream.get_stream(&self.layout.stream).await {
+            Ok(mut stream) => {
+                let info = stream
+                    .info()
+                    .await
+                    .map_err(|error| unavailable("stream info", error))?
+                    .clone();
+                if let Some(reason) = conflict(&info.config, &wanted) {
+                    return Err(BackendError::Rejected(format!(
+                        "nats: the existing stream {} cannot be used: {reason}; delete it or \
+                         choose another nats.stream",
+                        self.layout.stream
+                    )));
+                }
+                if info.config.max_age == wanted.max_age
+                    && info.config.duplicate_window == wanted.duplicate_window
+                {
+                    return Ok(info);
+                }
+                log::info!(
+                    "nats: setting max age {:?} and duplicate window {:?} on stream {}",
+                    wanted.max_age,
+                    wanted.duplicate_window,
+                    self.layout.stream
+                );
+                let config = stream::Config {
+                    max_age: wanted.max_age,
+                    duplicate_window: wanted.duplicate_window,
+                    ..info.config
+                };
+                self.jetstream.update_stream(config).await.map_err(|error| {
+                    BackendError::Rejected(format!(
+                        "nats: cannot update stream {}: {error}",
+                        self.layout.stream
+                    ))
+                })
+            }
+            Err(error) if is_not_found(&error) => self.create_stream(wanted).await,
+            Err(error) => Err(unavailable("stream info", error)),
+        }
+    }
+
+    async fn create_stream(&self, config: stream::Config) -> BackendResult<stream::Info> {
+        log::info!(
+            "nats: creating stream {} over {}",
+            self.layout.stream,
+            self.layout.filter()
+        );
+        let mut stream = self
+            .jetstream
+            .create_stream(config)
+            .await
+            .map_err(|error| {
+                BackendError::Rejected(format!(
+                    "nats: cannot create stream {}: {error}",
+                    self.layout.stream
+                ))
+            })?;
+        Ok(stream
+            .info()
+            .await
+            .map_err(|error| unavailable("stream info", error))?
+            .clone())
+    }
+
+    /// The stream's current info, creating the stream when it has been deleted (its data is
+    /// gone either way; a new stream is a new epoch). Refreshes the epoch stamped on appends.
+    async fn stream_info(&self) -> BackendResult<stream::Info> {
+        if self.client.connection_state() != ConnectionState::Connected {
+            return Err(BackendError::Unavailable("nats: not connected".into()));
+        }
+        let info = match self.jetstream.get_stream(&self.layout.stream).await {
+            Ok(mut stream) => stream
+                .info()
+                .await
+                .map_err(|error| unavailable("stream info", error))?
+                .clone(),
+            Err(error) if is_not_found(&error) => {
+                log::warn!(
+                    "nats: stream {} is gone: its events are lost",
+                    self.layout.stream
+                );
+                self.create_stream(wanted_stream(&self.layout, &self.settings))
+                    .await?
+            }
+            Err(error) => return Err(unavailable("stream info", error)),
+        };
+        self.set_epoch(layout::epoch_of(info.created.unix_timestamp_nanos()));
+        Ok(info)
+    }
+
+    async fn append(&self, events: Vec<NewEvent>) -> BackendResult<Vec<Appended>> {
+        let epoch = self.epoch();
+        let shards = self.layout.shards;
+        // Each payload is copied once; its copies share it.
+        let payloads: Vec<Bytes> = events
+            .iter()
+            .map(|event| Bytes::from(event.data.clone()))
+            .collect();
+        // (request index, shard): a broadcast has one copy per shard, answered by shard 0's.
+        let mut copies = Vec::with_capacity(events.len());
+        for (index, event) in events.iter().enumerate() {
+            match &event.target {
+                Target::Device(device) => copies.push((index, shard_of(device.as_str(), shards))),
+                Target::Broadcast => copies.extend((0..shards).map(|shard| (index, shard))),
+            }
+        }
+        let mut results: Vec<Option<Appended>> = vec![None; events.len()];
+        let mut window = Vec::with_capacity(PUBLISH_WINDOW);
+        for chunk in copies.chunks(PUBLISH_WINDOW) {
+            for &(index, shard) in chunk {
+                let event = &events[index];
+                let mut headers = HeaderMap::new();
+                headers.insert(message::DEV_HEADER, event.target.as_field());
+                headers.insert(message::TYPE_HEADER, event.event_type.as_str());
+                if let Some(key) = &event.key {
+                    let id = match event.target {
+                        Target::Device(_) => key.clone(),
+                        Target::Broadcast => format!("{key}:{shard}"),
+                    };
+                    headers.insert(message::MSG_ID_HEADER, id);
+                }
+                let ack = self
+                    .jetstream
+                    .publish_with_headers(
+                        self.layout.subject(shard),
+                        headers,
+                        payloads[index].clone(),
+                    )
+                    .await
+                    .map_err(publish_error)?;
+                window.push((index, shard, ack));
+            }
+            for (index, shard, ack) in window.drain(..) {
+                let ack = ack.await.map_err(publish_error)?;
+                let answers = match events[index].target {
+                    Target::Device(_) => true,
+                    Target::Broadcast => shard == 0,
+                };
+                if answers {
+                    results[index] = Some(Appended {
+                        cursor: Cursor::new(epoch.clone(), shard, layout::position(ack.sequence)),
+                        duplicate: ack.duplicate,
+                    });
+                }
+            }
+        }
+        results
+            .into_iter()
+            .map(|result| {
+                result.ok_or_else(|| BackendError::Rejected("nats: an event got no ack".into()))
+            })
+            .collect()
+    }
+
+    async fn read_after(
+        &self,
+        shard: u32,
+        after: u64,
+        limit: usize,
+    ) -> BackendResult<Vec<StoredEvent>> {
+        let consumer = self
+            .jetstream
+            .create_consumer_on_stream(
+                pull::Config {
+                    deliver_policy: DeliverPolicy::ByStartSequence {
+                        start_sequence: after.saturating_add(1),
+                    },
+                    ack_policy: AckPolicy::None,
+                    filter_subject: self.layout.subject(shard),
+                    memory_storage: true,
+                    inactive_threshold: REPLAY_CONSUMER_IDLE,
+                    ..Default::default()
+                },
+                &self.layout.stream,
+            )
+            .await
+            .map_err(|error| unavailable("create a replay consumer", error))?;
+        let info = consumer.cached_info();
+        let name = info.name.clone();
+        let mut pending = info.num_pending;
+        let mut events = Vec::new();
+        // Skipped messages do not count against `limit`: a short page tells the caller that the
+        // shard has nothing more, so it must only be short at the end.
+        let fetched = async {
+            while events.len() < limit && pending > 0 {
+                let want = min(min(limit - events.len(), FETCH_MAX) as u64, pending) as usize;
+                let mut batch = consumer
+                    .fetch()
+                    .max_messages(want)
+                    .messages()
+                    .await
+                    .map_err(|error| unavailable("fetch", error))?;
+                let mut got = 0;
+                while let Some(message) = batch.next().await {
+                    let message = message.map_err(|error| unavailable("fetch", error))?;
+                    got += 1;
+                    let sequence = message
+                        .info()
+                        .map_err(|error| unavailable("message info", error))?
+                        .stream_sequence;
+                    let parsed =
+                        message::event(shard, sequence, message.headers.as_ref(), &message.payload);
+                    events.extend(parsed);
+                }
+                if got == 0 {
+                    // Retention removed what was pending when the consumer was created.
+                    break;
+                }
+                pending = pending.saturating_sub(got);
+            }
+            Ok::<_, BackendError>(())
+        };
+        let outcome = tokio::time::timeout(REQUEST_TIMEOUT, fetched).await;
+        if let Err(error) = self
+            .jetstream
+            .delete_consumer_from_stream(&name, &self.layout.stream)
+            .await
+        {
+            log::debug!("nats: replay consumer {name} is left to expire: {error}");
+        }
+        match outcome {
+            Ok(Ok(())) => Ok(events),
+            Ok(Err(error)) => Err(error),
+            Err(_) => Err(BackendError::Unavailable(
+                "nats: replay fetch did not complete in time".into(),
+            )),
+        }
+    }
+
+    async fn shard_state(&self, shard: u32) -> BackendResult<ShardState> {
+        let info = self.stream_info().await?;
+        let epoch = layout::epoch_of(info.created.unix_timestamp_nanos());
+        let state = &info.state;
+        let trimmed = match Removed::of(state.first_sequence, state.last_sequence, state.messages) {
+            Removed::Through(sequence) => sequence,
+            Removed::Interior { front, last } => {
+                let first_of_shard = match self
+                    .jetstream
+                    .get_stream_no_info(&self.layout.stream)
+                    .await
+                    .map_err(|error| unavailable("stream", error))?
+                    .get_first_raw_message_by_subject(self.layout.subject(shard), front + 1)
+                    .await
+                {
+                    Ok(message) => Some(message.sequence),
+                    Err(error) if error.kind() == LastRawMessageErrorKind::NoMessageFound => None,
+                    Err(error) => return Err(unavailable("first message of a shard", error)),
+                };
+                Removed::shard_through(front, last, first_of_shard)
+            }
+        };
+        Ok(ShardState {
+            epoch,
+            head: layout::position(state.last_sequence),
+            trimmed_through: layout::position(trimmed),
+        })
+    }
+
+    async fn ping(&self) -> BackendResult<()> {
+        // Fails at once while disconnected, instead of waiting for a request to time out.
+        if self.client.connection_state() != ConnectionState::Connected {
+            return Err(BackendError::Unavailable("nats: not connected".into()));
+        }
+        match self.jetstream.get_stream(&self.layout.stream).await {
+            Ok(_) => Ok(()),
+            Err(error) => Err(unavailable("stream info", error)),
+        }
+    }
+}
+
+fn publish_error(error: jetstream::context::PublishError) -> BackendError {
+    match error.kind() {
+        PublishErrorKind::Other | PublishErrorKind::WrongLastMessageId => {
+            BackendError::Rejected(format!("nats: publish refused: {error}"))
+        }
+        _ => unavailable("publish", error),
+    }
+}
+
+/// What retention and deletions removed from the stream, from its state.
+#[derive(Debug, PartialEq, Eq)]
+enum Removed {
+    /// Nothing is missing inside the retained range: exactly the sequences up to this one are
+    /// gone (all of them when the stream is empty).
+    Through(u64),
+    /// Sequences inside `front + 1 ..= last` are missing too (per-subject limits, deleted or
+    /// purged messages): where a shard's first retained message is decides.
+    Interior { front: u64, last: u64 },
+}
+
+impl Removed {
+    fn of(first: u64, last: u64, messages: u64) -> Self {
+        if messages == 0 {
+            return Removed::Through(last);
+        }
+        let front = first.saturating_sub(1);
+        if messages >= last.saturating_sub(front) {
+            Removed::Through(front)
+        } else {
+            Removed::Interior { front, last }
+        }
+    }
+
+    /// A shard's trimmed-through sequence when the stream has interior gaps: anything before the
+    /// shard's first retained message may be gone; with none retained, everything may be.
+    fn shard_through(front: u64, last: u64, first_of_shard: Option<u64>) -> u64 {
+        match first_of_shard {
+            Some(first) => first.saturating_sub(1).max(front),
+            None => last,
+        }
+    }
+}
+
+impl Backend for NatsBackend {
+    fn kind(&self) -> &'static str {
+        "nats"
+    }
+
+    fn shards(&self) -> u32 {
+        self.inner.layout.shards
+    }
+
+    fn groups(&self) -> Vec<Range<u32>> {
+        // One ordered consumer reads every shard subject through the stream's one filter.
+        std::iter::once(0..self.inner.layout.shards).collect()
+    }
+
+    fn append(&self, events: Vec<NewEvent>) -> BoxFuture<'_, BackendResult<Vec<Appended>>> {
+        self.inner.append(events).boxed()
+    }
+
+    fn open_tail(&self, _group: usize) -> BoxFuture<'_, BackendResult<Box<dyn Tail>>> {
+        let inner = self.inner.clone();
+        async move {
+            let tail: Box<dyn Tail> = Box::new(tail::NatsTail::open(inner).await?);
+            Ok(tail)
+        }
+        .boxed()
+    }
+
+    fn read_after(
+        &self,
+        shard: u32,
+        after: crate::model::Position,
+        limit: usize,
+    ) -> BoxFuture<'_, BackendResult<Vec<StoredEvent>>> {
+        self.inner.read_after(shard, after.seq, limit).boxed()
+    }
+
+    fn shard_state(&self, shard: u32) -> BoxFuture<'_, BackendResult<ShardState>> {
+        self.inner.shard_state(shard).boxed()
+    }
+
+    fn trim(&self, _group: usize) -> BoxFuture<'_, BackendResult<()>> {
+        // JetStream enforces the stream's max age itself, on every producer's messages.
+        async { Ok(()) }.boxed()
+    }
+
+    fn ping(&self) -> BoxFuture<'_, BackendResult<()>> {
+        self.inner.ping().boxed()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The stream state tells exactly what was removed when nothing is missing inside it, and
+    /// defers to the shard's first retained message when something is.
+    #[test]
+    fn removed_sequences_from_stream_state() {
+        // A fresh, empty stream: nothing removed.
+        assert_eq!(Removed::of(0, 0, 0), Removed::Through(0));
+        // 1..=10 all present.
+        assert_eq!(Removed::of(1, 10, 10), Removed::Through(0));
+        // Age removed 1..=4.
+        assert_eq!(Removed::of(5, 10, 6), Removed::Through(4));
+        // Everything aged out (NATS reports first = last + 1).
+        assert_eq!(Removed::of(11, 10, 0), Removed::Through(10));
+        // 5..=10 with two interior holes.
+        let interior = Removed::of(5, 10, 4);
+        assert_eq!(interior, Removed::Interior { front: 4, last: 10 });
+        assert_eq!(Removed::shard_through(4, 10, Some(8)), 7);
+        assert_eq!(Removed::shard_through(4, 10, Some(5)), 4);
+        assert_eq!(Removed::shard_through(4, 10, None), 10);
+    }
+
+    fn settings() -> NatsSettings {
+        NatsSettings {
+            nats: crate::config::Config::default().nats,
+            dedupe_window: Duration::from_secs(600),
+        }
+    }
+
+    /// An existing stream is usable unless it breaks the format or resuming; limits such as max
+    /// age are ours to set, and other limits are the operator's.
+    #[test]
+    fn conflicting_streams_are_named() {
+        let settings = settings();
+        let wanted = wanted_stream(&layout_of(&settings.nats), &settings);
+        assert_eq!(wanted.subjects, ["posthorn.ev.*"]);
+        let compatible = stream::Config {
+            max_age: Duration::from_secs(1),
+            max_messages_per_subject: 5,
+            storage: StorageType::Memory,
+            ..wanted.clone()
+        };
+        assert_eq!(conflict(&compatible, &wanted), None);
+        let cases = [
+            (
+                stream::Config {
+                    subjects: vec!["posthorn.ev.*".into(), "other".into()],
+                    ..wanted.clone()
+                },
+                "subjects",
+            ),
+            (
+                stream::Config {
+                    retention: RetentionPolicy::WorkQueue,
+                    ..wanted.clone()
+                },
+                "retention",
+            ),
+            (
+                stream::Config {
+                    no_ack: true,
+                    ..wanted.clone()
+                },
+                "no_ack",
+            ),
+            (
+                stream::Config {
+                    sealed: true,
+                    ..wanted.clone()
+                },
+                "sealed",
+            ),
+        ];
+        for (existing, word) in cases {
+            let reason = conflict(&existing, &wanted).expect("a conflict");
+            assert!(reason.contains(word), "{reason}");
+        }
+    }
+}

@@ -1,0 +1,311 @@
+//! A real `nats-server -js` for the JetStream backend tests: started on a free loopback port
+//! with its own store directory, stopped (SIGTERM) or killed (SIGKILL), and started again on
+//! the same port with the same store, so a test can take NATS away and bring it back with or
+//! without its data.
+//!
+//! Each server runs from a fresh temporary directory holding its JetStream store (`store/`) and
+//! `nats.log`; dropping it SIGKILLs and reaps the process, prints the log tail if the test is
+//! panicking, and removes the directory (kept with `POSTHORN_TEST_KEEP_LOGS` set).
+//!
+//! A missing `nats-server` binary fails the test under `CI=true` (a NATS test that passes
+//! without NATS proves nothing there); elsewhere [`NatsServer::start`] returns `None` and the
+//! test returns early after saying so on stderr.
+
+use std::fs::OpenOptions;
+use std::net::{Ipv4Addr, SocketAddr};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use super::free_port;
+
+const SERVER_BIN: &str = "nats-server";
+/// Loading a store is fast on loopback; this only guards against a wedged process.
+const READY_TIMEOUT: Duration = Duration::from_secs(20);
+const READY_POLL: Duration = Duration::from_millis(50);
+/// How long a graceful stop may take before the server is killed.
+const STOP_TIMEOUT: Duration = Duration::from_secs(10);
+const LOG_TAIL_BYTES: usize = 32 * 1024;
+/// Attempts when a port from [`free_port`] was taken in the meantime.
+const PORT_ATTEMPTS: usize = 3;
+const KEEP_LOGS_VAR: &str = "POSTHORN_TEST_KEEP_LOGS";
+
+/// A `nats-server -js` process. Dropping it SIGKILLs and reaps the process and removes its
+/// directory.
+#[derive(Debug)]
+pub struct NatsServer {
+    /// `None` while stopped.
+    child: Option<Child>,
+    binary: PathBuf,
+    /// For the log banner in Drop, after the child is gone.
+    last_exit: Option<ExitStatus>,
+    last_pid: Option<u32>,
+    port: u16,
+    dir: PathBuf,
+}
+
+impl NatsServer {
+    /// Starts a server on a free port and waits until JetStream answers; `None` (after a note
+    /// on stderr) when `nats-server` is not installed and `CI` is not `true`.
+    pub async fn start() -> Option<NatsServer> {
+        let binary = binary()?;
+        let mut server = NatsServer {
+            child: None,
+            binary,
+            last_exit: None,
+            last_pid: None,
+            port: 0,
+            dir: super::unique_temp_dir("nats"),
+        };
+        for attempt in 1..=PORT_ATTEMPTS {
+            server.port = free_port();
+            server.spawn(attempt == 1);
+            match server.wait_ready().await {
+                Ok(()) => return Some(server),
+                Err(status) => {
+                    if server.log().contains("address already in use") && attempt < PORT_ATTEMPTS {
+                        continue;
+                    }
+                    // Drop prints the log tail while this panic unwinds.
+                    panic!(
+                        "nats-server exited before it was ready on port {} ({status})",
+                        server.port
+                    );
+                }
+            }
+        }
+        unreachable!("the last attempt returns or panics")
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    pub fn addr(&self) -> SocketAddr {
+        SocketAddr::from((Ipv4Addr::LOCALHOST, self.port))
+    }
+
+    /// `nats://127.0.0.1:PORT`, the form the hub's configuration takes.
+    pub fn url(&self) -> String {
+        format!("nats://{}", self.addr())
+    }
+
+    /// Working directory: `store/` (JetStream) and `nats.log`.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    pub fn log_path(&self) -> PathBuf {
+        self.dir.join("nats.log")
+    }
+
+    /// Everything the server wrote so far, across restarts.
+    pub fn log(&self) -> String {
+        std::fs::read(self.log_path())
+            .map(|b| String::from_utf8_lossy(&b).into_owned())
+            .unwrap_or_default()
+    }
+
+    /// A client of this server, for tests that act as producers or operators.
+    pub async fn client(&self) -> async_nats::Client {
+        async_nats::connect(self.url())
+            .await
+            .unwrap_or_else(|e| panic!("connect to nats at {}: {e}", self.addr()))
+    }
+
+    /// A JetStream context on a new client.
+    pub async fn jetstream(&self) -> async_nats::jetstream::Context {
+        async_nats::jetstream::new(self.client().await)
+    }
+
+    /// Stops the server gracefully (SIGTERM, it flushes its store) and starts it again on the
+    /// same port and store; returns once JetStream answers.
+    pub async fn restart(&mut self) {
+        self.stop().await;
+        self.start_again().await;
+    }
+
+    /// SIGTERM, then waits for the exit (SIGKILL after [`STOP_TIMEOUT`]); the port is free
+    /// until [`NatsServer::start_again`].
+    pub async fn stop(&mut self) {
+        let Some(child) = self.child.as_mut() else {
+            return;
+        };
+        let status = Command::new("kill")
+            .args(["-s", "TERM", &child.id().to_string()])
+            .status()
+            .unwrap_or_else(|e| panic!("run kill(1): {e}"));
+        assert!(status.success(), "kill -s TERM {} failed", child.id());
+        let deadline = Instant::now() + STOP_TIMEOUT;
+        loop {
+            let child = self.child.as_mut().expect("still running");
+            if let Some(status) = child.try_wait().expect("try_wait on nats-server") {
+                self.child = None;
+                self.last_exit = Some(status);
+                return;
+            }
+            if Instant::now() >= deadline {
+                return self.kill();
+            }
+            tokio::time::sleep(READY_POLL).await;
+        }
+    }
+
+    /// Starts a stopped server on its old port and store and waits for JetStream; panics if
+    /// the port was taken in the meantime.
+    pub async fn start_again(&mut self) {
+        assert!(
+            self.child.is_none(),
+            "nats-server on port {} is still running; stop() it first",
+            self.port
+        );
+        self.spawn(false);
+        if let Err(status) = self.wait_ready().await {
+            panic!(
+                "nats-server did not come back on port {} ({status})",
+                self.port
+            );
+        }
+    }
+
+    /// SIGKILL and reap (no-op while stopped).
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            self.last_exit = child.wait().ok();
+        }
+    }
+
+    /// `fresh_log` truncates the log, so a retried port race does not leave the previous
+    /// attempt's "address already in use" behind.
+    fn spawn(&mut self, fresh_log: bool) {
+        let log_path = self.log_path();
+        let log = OpenOptions::new()
+            .create(true)
+            .write(true)
+            .append(!fresh_log)
+            .truncate(fresh_log)
+            .open(&log_path)
+            .unwrap_or_else(|e| panic!("open {}: {e}", log_path.display()));
+        let log_dup = log.try_clone().expect("clone log file handle");
+        let child = Command::new(&self.binary)
+            .args([
+                "-js",
+                "-a",
+                "127.0.0.1",
+                "-p",
+                &self.port.to_string(),
+                "-sd",
+            ])
+            .arg(self.dir.join("store"))
+            .current_dir(&self.dir)
+            .stdin(Stdio::null())
+            .stdout(log_dup)
+            .stderr(log)
+            .spawn()
+            .unwrap_or_else(|e| panic!("spawn {}: {e}", self.binary.display()));
+        self.last_pid = Some(child.id());
+        self.last_exit = None;
+        self.child = Some(child);
+    }
+
+    /// Polls until a JetStream account request answers; `Err` with the exit status if the
+    /// process exits first.
+    async fn wait_ready(&mut self) -> Result<(), ExitStatus> {
+        let deadline = Instant::now() + READY_TIMEOUT;
+        loop {
+            let child = self.child.as_mut().expect("wait_ready on a started server");
+            if let Some(status) = child.try_wait().expect("try_wait on nats-server") {
+                self.child = None;
+                self.last_exit = Some(status);
+                return Err(status);
+            }
+            let last = match probe(self.addr()).await {
+                Ok(()) => return Ok(()),
+                Err(e) => e,
+            };
+            if Instant::now() >= deadline {
+                self.kill();
+                panic!(
+                    "nats-server not ready on {} after {READY_TIMEOUT:?} (last probe: {last})",
+                    self.addr()
+                );
+            }
+            tokio::time::sleep(READY_POLL).await;
+        }
+    }
+}
+
+/// Connects without retrying and asks JetStream for the account: ready means JetStream serves.
+async fn probe(addr: SocketAddr) -> Result<(), String> {
+    let attempt = async {
+        let client = async_nats::ConnectOptions::new()
+            .connection_timeout(Duration::from_secs(1))
+            .connect(format!("nats://{addr}"))
+            .await
+            .map_err(|e| e.to_string())?;
+        // The raw API request: async-nats' typed account info does not parse 2.9's answer.
+        let reply = client
+            .request("$JS.API.INFO", "".into())
+            .await
+            .map_err(|e| e.to_string())?;
+        let text = String::from_utf8_lossy(&reply.payload);
+        if text.contains("\"error\"") {
+            return Err(text.into_owned());
+        }
+        Ok(())
+    };
+    tokio::time::timeout(Duration::from_secs(2), attempt)
+        .await
+        .unwrap_or_else(|_| Err("no answer within 2s".into()))
+}
+
+impl Drop for NatsServer {
+    fn drop(&mut self) {
+        self.kill();
+        if std::thread::panicking() {
+            let log = self.log();
+            let tail =
+                &log[super::floor_char_boundary(&log, log.len().saturating_sub(LOG_TAIL_BYTES))..];
+            let exit = self
+                .last_exit
+                .map_or_else(|| "unknown".to_string(), |s| s.to_string());
+            eprintln!(
+                "--- nats-server {} log {} (pid {:?}, {exit}) ---\n{tail}\n--- end of nats-server log ---",
+                self.addr(),
+                self.log_path().display(),
+                self.last_pid,
+            );
+        }
+        if std::env::var_os(KEEP_LOGS_VAR).is_some() {
+            eprintln!("nats-server directory kept at {}", self.dir.display());
+        } else {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
+}
+
+/// Resolves `nats-server` on PATH (or /usr/sbin, where Debian puts it and a non-root PATH may
+/// not look). Missing: a panic under `CI=true`, otherwise `None` and a note on stderr.
+fn binary() -> Option<PathBuf> {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    let found = std::env::split_paths(&path)
+        .chain([PathBuf::from("/usr/sbin"), PathBuf::from("/usr/local/bin")])
+        .map(|dir| dir.join(SERVER_BIN))
+        .find(|candidate| candidate.is_file());
+    match found {
+        Some(path) => Some(path),
+        None if std::env::var("CI").as_deref() == Ok("true") => {
+            panic!("{SERVER_BIN} not found; scripts/test installs it")
+        }
+        None => {
+            eprintln!(
+                "skipping: {SERVER_BIN} not found on PATH; install the Debian package \
+                 nats-server (scripts/test does it)"
+            );
+            None
+        }
+    }
+}
