@@ -191,6 +191,40 @@ async fn resume_expiry_and_data_loss() {
     assert_eq!(after.expect_event(WAIT).await.data, "new life");
 }
 
+/// Entries the hub cannot deliver (here: no `data`) do not cut a replay short: a resume that has
+/// more than one replay page of events behind a few bad entries gets every one of them.
+#[tokio::test]
+async fn replay_reads_past_entries_it_cannot_deliver() {
+    let redis = RedisServer::start().await;
+    let hub = redis_hub(&redis.url()).start().await;
+    let cursor = publish_to(&hub, "pos-9", "before").await;
+    let mut redis_client = redis.client().await;
+    let key = format!("pos-ev:{}", crc_shard("pos-9", 64));
+    for _ in 0..3 {
+        redis_client.xadd(&key, &[("dev", "pos-9")]).await;
+    }
+    const EVENTS: usize = 700;
+    for i in 0..EVENTS {
+        redis_client
+            .xadd(&key, &[("dev", "pos-9"), ("data", &i.to_string())])
+            .await;
+    }
+    let mut resumed = SseClient::connect(
+        hub.addr(),
+        &stream_path("pos-9"),
+        &[("Last-Event-ID", &cursor)],
+    )
+    .await;
+    let replayed: Vec<String> = resumed
+        .expect_events(EVENTS, WAIT)
+        .await
+        .into_iter()
+        .map(|e| e.data)
+        .collect();
+    let expected: Vec<String> = (0..EVENTS).map(|i| i.to_string()).collect();
+    assert_eq!(replayed, expected);
+}
+
 /// Redis with AOF restarts while a publisher keeps publishing (retrying with its idempotency key
 /// until the hub answers 201): the connected client receives every event exactly once, in order,
 /// without a resync, and readiness reports the outage while it lasts.

@@ -53,9 +53,12 @@ def main(path):
         runs[("ladder-best", peer)] = {"best": best}
     row("highest lossless broadcast deliveries/s", "ladder-best",
         lambda r: r["best"][1] if r["best"] else None)
-    for rate in (1000, 5000):
-        row(f"unicast {rate}/s (HTTP publish): p99 ms", f"unicast-{rate}", lambda r: r["latency"]["p99_ms"], 2, "lower")
-        row(f"unicast {rate}/s (HTTP publish): lost", f"unicast-{rate}", lambda r: r["deliveries"]["lost"], 0, "lower")
+    for rate, size in ((1000, 100), (5000, 100), (10000, 100), (5000, 1024)):
+        label = f"unicast-{rate}x{size}"
+        row(f"unicast {rate}/s x {size} B (HTTP publish): p50 ms", label, lambda r: r["latency"]["p50_ms"], 2, "lower")
+        row(f"unicast {rate}/s x {size} B (HTTP publish): p99 ms", label, lambda r: r["latency"]["p99_ms"], 2, "lower")
+        row(f"unicast {rate}/s x {size} B: delivered/s", label, lambda r: r["delivered_per_second"])
+        row(f"unicast {rate}/s x {size} B: lost", label, lambda r: r["deliveries"]["lost"], 0, "lower")
     row("slow 10%: never-reading clients closed by the server", "slow", lambda r: r["evicted"])
     row("slow 10%: last eviction, s after start", "slow", lambda r: r["eviction_last_s"], 2, "lower")
     row("slow 10%: healthy clients lost", "slow", lambda r: r["healthy"]["lost"], 0, "lower")
@@ -69,11 +72,13 @@ def main(path):
         print(f"| {name} | {p} | {n} | {r} | {better} |")
 
     extra = []
-    for rate in (1000, 5000):
-        r = get(f"redis-unicast-{rate}", "posthorn")
+    for label in ("redis-redis-1000", "redis-http-1000", "nats-http-1000",
+                  "redis-redis-5000", "redis-http-5000", "nats-http-5000"):
+        r = get(label, "posthorn")
         if r:
-            extra.append(f"- unicast {rate}/s through Redis (XADD): p50 {r['latency']['p50_ms']:.2f} ms, "
-                         f"p99 {r['latency']['p99_ms']:.2f} ms, lost {r['deliveries']['lost']}, lossless {r['lossless']}")
+            extra.append(f"- {label} (unicast {r['rate']:.0f}/s, {r['connections']} connections): "
+                         f"p50 {r['latency']['p50_ms']:.2f} ms, p99 {r['latency']['p99_ms']:.2f} ms, "
+                         f"lost {r['deliveries']['lost']}, lossless {r['lossless']}")
     r = get("idle-fill", "posthorn")
     if r:
         extra.append(f"- {r['fill']} events of {r['size']} B waiting per connection: "

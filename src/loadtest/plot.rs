@@ -121,10 +121,11 @@ pub fn latency_cdf(path: &Path, title: &str, histogram: &Histogram<u64>) -> io::
 /// Bars of how many values fall into each one-second bucket.
 pub fn histogram(path: &Path, title: &str, x_label: &str, seconds: &[f64]) -> io::Result<()> {
     let mut svg = frame(title, x_label, "clients per second");
-    let last = seconds.iter().copied().fold(0.0, f64::max).ceil().max(1.0) as usize;
-    let mut buckets = vec![0usize; last + 1];
+    // One bucket per started second, up to the one holding the largest value.
+    let count = seconds.iter().copied().fold(0.0, f64::max).floor() as usize + 1;
+    let mut buckets = vec![0usize; count];
     for s in seconds {
-        buckets[(*s as usize).min(last)] += 1;
+        buckets[(*s as usize).min(count - 1)] += 1;
     }
     let peak = buckets.iter().copied().max().unwrap_or(0).max(1) as f64;
     let width = (WIDTH - LEFT - RIGHT) / buckets.len() as f64;

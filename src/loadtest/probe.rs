@@ -59,12 +59,21 @@ impl Server {
 
     pub fn alive(&self) -> bool {
         match self {
-            Server::Pids(pids) => pids
-                .iter()
-                .any(|pid| std::path::Path::new(&format!("/proc/{pid}")).exists()),
+            Server::Pids(pids) => pids.iter().any(|pid| process_running(*pid)),
             _ => true,
         }
     }
+}
+
+/// A process that exited but was not yet reaped by its parent (a zombie) has stopped running.
+fn process_running(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|stat| {
+            let state = stat[stat.rfind(')')? + 1..].trim_start().chars().next()?;
+            Some(!matches!(state, 'Z' | 'X'))
+        })
+        .unwrap_or(false)
 }
 
 fn kib_field(text: &str, name: &str) -> Option<u64> {
@@ -188,5 +197,10 @@ mod tests {
         assert!(memory.rss_kib > 100 && memory.pss_kib > 0, "{memory:?}");
         assert!(process_cpu_seconds(std::process::id()).is_some());
         assert!(server.alive());
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let zombie = Server::Pids(vec![child.id()]);
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        assert!(!zombie.alive(), "exited but not reaped counts as gone");
+        child.wait().unwrap();
     }
 }

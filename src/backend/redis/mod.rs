@@ -432,15 +432,29 @@ impl Inner {
         limit: usize,
     ) -> BackendResult<Vec<StoredEvent>> {
         let group = self.layout.group_of(shard);
-        let args = vec![
-            Value::from(self.layout.stream_key(shard)),
-            Value::from(format!("({after}")),
-            Value::from("+"),
-            Value::from("COUNT"),
-            Value::from(limit as i64),
-        ];
-        let reply = self.command(group, "XRANGE", args).await?;
-        Ok(reply::entries(shard, &reply).events)
+        let mut events = Vec::new();
+        let mut after = after;
+        // Entries that cannot be delivered are skipped, so one XRANGE may yield fewer than it
+        // read; the caller takes a short page for the end of the stream, so read on until the
+        // page is full or the stream really ended.
+        loop {
+            let wanted = limit - events.len();
+            let args = vec![
+                Value::from(self.layout.stream_key(shard)),
+                Value::from(format!("({after}")),
+                Value::from("+"),
+                Value::from("COUNT"),
+                Value::from(wanted as i64),
+            ];
+            let reply = self.command(group, "XRANGE", args).await?;
+            let page = reply::entries(shard, &reply);
+            let read = page.events.len() as u64 + page.skipped;
+            events.extend(page.events);
+            match page.last {
+                Some(last) if read == wanted as u64 && events.len() < limit => after = last,
+                _ => return Ok(events),
+            }
+        }
     }
 
     async fn trim(&self, group: usize) -> BackendResult<()> {
