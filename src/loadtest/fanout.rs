@@ -244,9 +244,11 @@ pub async fn settle(shared: &Readers, readers: u64, settle: Duration) {
 pub async fn run(run: &Run, args: &FanoutArgs) -> Result<(), LoadtestError> {
     let n = run.devices.len();
     let plan = Plan::new(args.mode, args.rate, args.duration, args.size, n)?;
-    let mut publisher = run.publisher(&args.publish).await?;
     let opening = Instant::now();
     let streams = run.open_all(None).await?;
+    // Opened after the streams: a server closes a connection that sends no request for a few
+    // seconds.
+    let mut publisher = run.publisher(&args.publish).await?;
     println!(
         "fanout: {n} connections open in {:.2} s",
         opening.elapsed().as_secs_f64()

@@ -44,10 +44,6 @@ pub async fn run(run: &Run, args: &IdleArgs) -> Result<(), LoadtestError> {
         Mode::Broadcast => args.fill,
     };
     super::check_events(fill_events)?;
-    let mut publisher = match args.fill {
-        0 => None,
-        _ => Some(run.publisher(&args.publish).await?),
-    };
     let before = run.server.memory().await;
     let cpu = CpuMeter::start(&run.server).await;
     let started = Instant::now();
@@ -68,7 +64,9 @@ pub async fn run(run: &Run, args: &IdleArgs) -> Result<(), LoadtestError> {
     let mut full = None;
     let mut filled = None;
     let mut still_open = n;
-    if let Some(publisher) = publisher.as_mut() {
+    if args.fill > 0 {
+        // Opened now: a server closes a connection that sends no request for a few seconds.
+        let mut publisher = run.publisher(&args.publish).await?;
         let fill_started = Instant::now();
         let mut sent = 0u64;
         let batch_events = 1000u64;

@@ -61,7 +61,6 @@ pub async fn run(run: &Run, args: &SlowArgs) -> Result<(), LoadtestError> {
     let every = (1.0 / args.slow_fraction).round().max(2.0) as usize;
     let is_slow = |device: usize| device % every == 0;
     let plan = Plan::new(args.mode, args.rate, args.duration, args.size, n)?;
-    let mut publisher = run.publisher(&args.publish).await?;
     let memory_before = run.server.memory().await;
     let healthy_indices: Vec<usize> = (0..n).filter(|d| !is_slow(*d)).collect();
     let slow_indices: Vec<usize> = (0..n).filter(|d| is_slow(*d)).collect();
@@ -95,6 +94,9 @@ pub async fn run(run: &Run, args: &SlowArgs) -> Result<(), LoadtestError> {
         slow.len(),
         run.peer
     );
+    // Opened after the streams: a server closes a connection that sends no request for a few
+    // seconds.
+    let mut publisher = run.publisher(&args.publish).await?;
     let shared = Arc::new(Readers::default());
     let (stop_tx, stop_rx) = watch::channel(false);
     let readers: Vec<_> = healthy
@@ -137,8 +139,10 @@ pub async fn run(run: &Run, args: &SlowArgs) -> Result<(), LoadtestError> {
     let mut sorted = evicted.clone();
     sorted.sort_by(f64::total_cmp);
     let median = sorted.get(sorted.len() / 2).copied();
+    // What the queues may hold at most: every connection's queue full of distinct frames. A
+    // broadcast frame is shared by every queue, so broadcasts stay far below this.
     let frame_bytes = plan.size as u64 + 96;
-    let bound_kib = slow_indices.len() as u64 * args.queue_limit * frame_bytes / 1024;
+    let bound_kib = n as u64 * args.queue_limit * frame_bytes / 1024;
     let latency = LatencySummary::of(&shared.latencies.merged());
     let healthy_lossless = totals.lossless() && healthy_closed == 0;
     println!(
@@ -164,12 +168,11 @@ pub async fn run(run: &Run, args: &SlowArgs) -> Result<(), LoadtestError> {
     );
     if let (Some(before), Some(peak)) = (memory_before, peak) {
         println!(
-            "slow: server memory {} KiB before, peak {} KiB (+{} KiB); queues allow at most \
-             {bound_kib} KiB for the never-reading clients ({} x {} events x ~{frame_bytes} B)",
+            "slow: server memory {} KiB before, peak {} KiB (+{} KiB); the queues allow at most \
+             {bound_kib} KiB ({n} connections x {} events x ~{frame_bytes} B)",
             before.rss_kib,
             peak.rss_kib,
             peak.rss_kib.saturating_sub(before.rss_kib),
-            slow_indices.len(),
             args.queue_limit
         );
     }

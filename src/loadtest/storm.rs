@@ -33,8 +33,8 @@ pub struct StormArgs {
 
 pub async fn run(run: &Run, args: &StormArgs) -> Result<(), LoadtestError> {
     let n = run.devices.len();
-    let mut publisher: Publisher = run.publisher(&args.publish).await?;
     let mut streams = run.open_all(None).await?;
+    let mut publisher: Publisher = run.publisher(&args.publish).await?;
     let data = payload::Stamp {
         seq: 0,
         sent_us: payload::now_us(),
