@@ -327,12 +327,7 @@ impl Run {
             )
             .await
         {
-            streams.push(opened.result.map_err(|error| {
-                LoadtestError::Failed(format!(
-                    "connection {} failed to open: {error}",
-                    opened.index
-                ))
-            })?);
+            streams.push(opened.stream()?);
         }
         Ok(streams)
     }
@@ -369,6 +364,15 @@ pub struct Opened {
     pub index: usize,
     pub result: io::Result<wire::SseStream>,
     pub after: Duration,
+}
+
+impl Opened {
+    /// The stream, or an error naming the connection (setup phases fail on the first one).
+    fn stream(self) -> Result<wire::SseStream, LoadtestError> {
+        self.result.map_err(|error| {
+            LoadtestError::Failed(format!("connection {} failed to open: {error}", self.index))
+        })
+    }
 }
 
 /// Prints the machine-readable result: one JSON line.

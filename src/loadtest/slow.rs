@@ -74,7 +74,7 @@ pub async fn run(run: &Run, args: &SlowArgs) -> Result<(), LoadtestError> {
         )
         .await
     {
-        healthy.push((opened.index, open_or_fail(opened)?));
+        healthy.push((opened.index, opened.stream()?));
     }
     let mut slow = Vec::with_capacity(slow_indices.len());
     for opened in run
@@ -86,7 +86,7 @@ pub async fn run(run: &Run, args: &SlowArgs) -> Result<(), LoadtestError> {
         )
         .await
     {
-        slow.push(open_or_fail(opened)?);
+        slow.push(opened.stream()?);
     }
     println!(
         "slow: {} healthy and {} never-reading connections open ({:?})",
@@ -199,15 +199,6 @@ pub async fn run(run: &Run, args: &SlowArgs) -> Result<(), LoadtestError> {
         "cpu": cpu,
     }));
     Ok(())
-}
-
-fn open_or_fail(opened: super::Opened) -> Result<wire::SseStream, LoadtestError> {
-    opened.result.map_err(|error| {
-        LoadtestError::Failed(format!(
-            "connection {} failed to open: {error}",
-            opened.index
-        ))
-    })
 }
 
 /// Polls the never-reading sockets; per socket, when the server closed it (seconds after
