@@ -12,7 +12,8 @@ use async_nats::{
 };
 use serde_json::{json, Value};
 use support::{
-    http, live_stream, metrics, nats::NatsServer, stream_path, Hub, SseClient, SseEvent, SseNext,
+    http, live_stream, metrics, nats::NatsServer, publish_to, stream_path, Hub, SseClient,
+    SseEvent, SseNext,
 };
 
 const WAIT: Duration = Duration::from_secs(20);
@@ -26,19 +27,6 @@ fn nats_hub(url: &str) -> support::hub::HubBuilder {
 
 async fn publish(hub: &Hub, event: Value) -> http::HttpResponse {
     http::post_json(hub.addr(), "/v1/events", &event).await
-}
-
-async fn publish_to(hub: &Hub, device: &str, data: &str) -> String {
-    let response = publish(
-        hub,
-        json!({ "device": device, "type": "test", "data": data }),
-    )
-    .await;
-    assert_eq!(response.status, 201, "{}", response.text());
-    response.json()["results"][0]["id"]
-        .as_str()
-        .expect("id")
-        .to_string()
 }
 
 fn resync_reason(event: &SseEvent) -> String {
@@ -483,35 +471,7 @@ async fn client_moves_between_pods_without_loss() {
     };
     let pod_a = nats_hub(&nats.url()).start().await;
     let pod_b = nats_hub(&nats.url()).start().await;
-    let mut on_a = live_stream(&pod_a, "pos-5").await;
-    for i in 0..5 {
-        publish_to(&pod_a, "pos-5", &format!("{i}")).await;
-    }
-    let seen = on_a.expect_events(3, WAIT).await;
-    let cursor = seen[2].id.clone().expect("id");
-    drop(on_a);
-    for i in 5..8 {
-        publish_to(&pod_b, "pos-5", &format!("{i}")).await;
-    }
-    let mut on_b = SseClient::connect(
-        pod_b.addr(),
-        &stream_path("pos-5"),
-        &[("Last-Event-ID", &cursor)],
-    )
-    .await;
-    let data: Vec<String> = on_b
-        .expect_events(5, WAIT)
-        .await
-        .into_iter()
-        .map(|e| e.data)
-        .collect();
-    assert_eq!(data, ["3", "4", "5", "6", "7"]);
-    publish_to(&pod_a, "pos-5", "8").await;
-    assert_eq!(on_b.expect_event(WAIT).await.data, "8");
-    assert!(matches!(
-        on_b.next_event(Duration::from_millis(500)).await,
-        SseNext::Timeout
-    ));
+    support::assert_client_moves_between_pods(&pod_a, &pod_b).await;
 }
 
 /// `posthorn shard-key` prints the subject a producer must publish to under the NATS backend.

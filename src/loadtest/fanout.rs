@@ -233,11 +233,76 @@ pub async fn follow(
     }
 }
 
-/// Waits until every reader is complete, or `settle` after publishing ended.
-pub async fn settle(shared: &Readers, readers: u64, settle: Duration) {
-    let deadline = Instant::now() + settle;
-    while shared.complete.load(Ordering::Relaxed) < readers && Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(10)).await;
+/// One reading task per stream, stopped together.
+pub struct ReaderSet {
+    tasks: Vec<tokio::task::JoinHandle<Followed>>,
+    stop: watch::Sender<bool>,
+    pub shared: Arc<Readers>,
+}
+
+/// What the readers of a run received, summed.
+pub struct ReadOutcome {
+    pub totals: Totals,
+    pub closed_by_server: u64,
+    pub resyncs: u64,
+}
+
+impl ReaderSet {
+    /// Starts a reader per `(device, stream)`, each expecting what `plan` sends its device.
+    pub fn spawn(streams: impl IntoIterator<Item = (usize, SseStream)>, plan: &Plan) -> Self {
+        let shared = Arc::new(Readers::default());
+        let (stop, stop_rx) = watch::channel(false);
+        let tasks = streams
+            .into_iter()
+            .map(|(device, stream)| {
+                tokio::spawn(follow(
+                    stream,
+                    device,
+                    plan.expected(device as u64),
+                    shared.clone(),
+                    stop_rx.clone(),
+                ))
+            })
+            .collect();
+        Self {
+            tasks,
+            stop,
+            shared,
+        }
+    }
+
+    /// Fires when the readers are stopped; for companion tasks of the scenario.
+    pub fn stop_signal(&self) -> watch::Receiver<bool> {
+        self.stop.subscribe()
+    }
+
+    /// Waits until every reader is complete, or `settle` after publishing ended.
+    pub async fn settle(&self, settle: Duration) {
+        let deadline = Instant::now() + settle;
+        while self.shared.complete.load(Ordering::Relaxed) < self.tasks.len() as u64
+            && Instant::now() < deadline
+        {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    /// Stops every reader (and companion task) and sums what they received.
+    pub async fn finish(self) -> Result<ReadOutcome, LoadtestError> {
+        let _ = self.stop.send(true);
+        let mut outcome = ReadOutcome {
+            totals: Totals::default(),
+            closed_by_server: 0,
+            resyncs: 0,
+        };
+        for task in self.tasks {
+            let followed = task
+                .await
+                .map_err(|e| LoadtestError::Failed(format!("reader: {e}")))?;
+            outcome.totals.add(&followed.tally, followed.expected);
+            outcome.closed_by_server += u64::from(followed.closed_by_server);
+            outcome.resyncs += followed.resyncs;
+        }
+        Ok(outcome)
     }
 }
 
@@ -253,37 +318,18 @@ pub async fn run(run: &Run, args: &FanoutArgs) -> Result<(), LoadtestError> {
         "fanout: {n} connections open in {:.2} s",
         opening.elapsed().as_secs_f64()
     );
-    let shared = Arc::new(Readers::default());
-    let (stop_tx, stop_rx) = watch::channel(false);
-    let readers: Vec<_> = streams
-        .into_iter()
-        .enumerate()
-        .map(|(device, stream)| {
-            tokio::spawn(follow(
-                stream,
-                device,
-                plan.expected(device as u64),
-                shared.clone(),
-                stop_rx.clone(),
-            ))
-        })
-        .collect();
+    let readers = ReaderSet::spawn(streams.into_iter().enumerate(), &plan);
+    let shared = readers.shared.clone();
     let cpu = CpuMeter::start(&run.server).await;
     let first_publish_us = payload::now_us();
     let published = publish_paced(run, &mut publisher, &plan).await?;
-    settle(&shared, n as u64, args.settle).await;
+    readers.settle(args.settle).await;
     let cpu = cpu.stop(&run.server).await;
-    let _ = stop_tx.send(true);
-    let mut totals = Totals::default();
-    let (mut closed, mut resyncs) = (0, 0);
-    for reader in readers {
-        let followed = reader
-            .await
-            .map_err(|e| LoadtestError::Failed(format!("reader: {e}")))?;
-        totals.add(&followed.tally, followed.expected);
-        closed += u64::from(followed.closed_by_server);
-        resyncs += followed.resyncs;
-    }
+    let ReadOutcome {
+        totals,
+        closed_by_server: closed,
+        resyncs,
+    } = readers.finish().await?;
     let histogram = shared.latencies.merged();
     let latency = LatencySummary::of(&histogram);
     let last = shared.last_delivery_us.load(Ordering::Relaxed);

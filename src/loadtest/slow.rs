@@ -4,19 +4,16 @@
 //! peak memory against the bound the queues allow, and what the healthy clients received
 //! (which must be everything, once, in order).
 
-use std::{
-    sync::Arc,
-    time::{Duration, Instant},
-};
+use std::time::{Duration, Instant};
 
 use serde_json::json;
 use tokio::sync::watch;
 
 use super::{
     emit,
-    fanout::{follow, publish_paced, settle, Plan, Readers},
+    fanout::{publish_paced, Plan, ReadOutcome, ReaderSet},
     probe::{CpuMeter, Memory},
-    tally::{LatencySummary, Totals},
+    tally::LatencySummary,
     wire, Common, LoadtestError, Mode, PublishOptions, Run,
 };
 
@@ -97,37 +94,20 @@ pub async fn run(run: &Run, args: &SlowArgs) -> Result<(), LoadtestError> {
     // Opened after the streams: a server closes a connection that sends no request for a few
     // seconds.
     let mut publisher = run.publisher(&args.publish).await?;
-    let shared = Arc::new(Readers::default());
-    let (stop_tx, stop_rx) = watch::channel(false);
-    let readers: Vec<_> = healthy
-        .into_iter()
-        .map(|(device, stream)| {
-            tokio::spawn(follow(
-                stream,
-                device,
-                plan.expected(device as u64),
-                shared.clone(),
-                stop_rx.clone(),
-            ))
-        })
-        .collect();
+    let readers = ReaderSet::spawn(healthy, &plan);
+    let shared = readers.shared.clone();
     let started = Instant::now();
-    let watcher = tokio::spawn(watch_slow(slow, started, stop_rx.clone()));
-    let sampler = tokio::spawn(sample_memory(run.server.clone(), stop_rx.clone()));
+    let watcher = tokio::spawn(watch_slow(slow, started, readers.stop_signal()));
+    let sampler = tokio::spawn(sample_memory(run.server.clone(), readers.stop_signal()));
     let cpu = CpuMeter::start(&run.server).await;
     let published = publish_paced(run, &mut publisher, &plan).await?;
-    settle(&shared, readers.len() as u64, args.settle).await;
+    readers.settle(args.settle).await;
     let cpu = cpu.stop(&run.server).await;
-    let _ = stop_tx.send(true);
-    let mut totals = Totals::default();
-    let mut healthy_closed = 0;
-    for reader in readers {
-        let followed = reader
-            .await
-            .map_err(|e| LoadtestError::Failed(format!("reader: {e}")))?;
-        totals.add(&followed.tally, followed.expected);
-        healthy_closed += u64::from(followed.closed_by_server);
-    }
+    let ReadOutcome {
+        totals,
+        closed_by_server: healthy_closed,
+        ..
+    } = readers.finish().await?;
     let evictions = watcher
         .await
         .map_err(|e| LoadtestError::Failed(format!("watcher: {e}")))?;
