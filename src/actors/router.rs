@@ -10,11 +10,12 @@
 //! the same device replaced (`Takeover`).
 //! Backpressure: a full queue is a slow client, evicted at once. So is a client whose queue has
 //! had events waiting for `sse.stall_timeout` without the body taking any (it stopped reading: at
-//! low event rates its queue would take minutes to fill), found by a sweep once per second. The
-//! Router itself never awaits.
+//! low event rates its queue would take minutes to fill), found by a check that visits every
+//! connection once per second. The Router itself never awaits.
 //! Drain: keeps routing until the last connection has closed; the Shutdown actor stops the tails.
-//! Heartbeats: one timer for the whole pod, ticking ten times per interval and pinging one tenth
-//! of the connections each tick, so pings are spread over time and no connection owns a timer.
+//! Heartbeats and the stall check: one timer for the whole pod, ticking every 25 ms; each tick
+//! pings one small slice of the connections and checks a few slices for stalls ([`Rotation`]),
+//! so neither comes as a burst and no connection owns a timer.
 
 use std::{
     collections::HashMap,
@@ -28,6 +29,7 @@ use bytes::Bytes;
 use super::{
     close_reason::CloseReason,
     connection::{Close, DrainTarget},
+    rotation::{Member, Rotation},
 };
 use crate::{
     metrics::{Metrics, RouteResult},
@@ -38,8 +40,7 @@ use crate::{
     },
 };
 
-const HEARTBEAT_SLICES: u64 = 10;
-/// How often queues are checked for stalled clients.
+/// How often every queue is checked for a stalled client.
 const STALL_SWEEP: Duration = Duration::from_secs(1);
 
 /// One framed event from a tail, ready to queue.
@@ -92,10 +93,13 @@ pub struct Router {
     /// Connections per shard, so a broadcast copy visits only the devices of its shard.
     shards: Vec<HashMap<DeviceId, Route>>,
     heartbeat: Duration,
-    /// Counts heartbeat slices; connection ids modulo `HEARTBEAT_SLICES` pick their slice.
-    heartbeat_tick: u64,
+    /// Every connection, in slices: one slice is pinged per tick.
+    rotation: Rotation,
+    ticks: usize,
     /// Evict a client whose queued events waited this long without progress (zero: never).
     stall_timeout: Duration,
+    /// Slices checked for stalls per tick, so that all are checked once per `STALL_SWEEP`.
+    stall_slices_per_tick: usize,
     metrics: Arc<Metrics>,
 }
 
@@ -106,11 +110,18 @@ impl Router {
         stall_timeout: Duration,
         metrics: Arc<Metrics>,
     ) -> Self {
+        let rotation = Rotation::new(heartbeat);
+        let ticks_per_sweep =
+            STALL_SWEEP.as_secs_f64() / rotation.tick_interval(heartbeat).as_secs_f64();
+        let stall_slices_per_tick = ((rotation.slices() as f64 / ticks_per_sweep).ceil() as usize)
+            .clamp(1, rotation.slices());
         Self {
             shards: (0..shards).map(|_| HashMap::new()).collect(),
             heartbeat,
-            heartbeat_tick: 0,
+            rotation,
+            ticks: 0,
             stall_timeout,
+            stall_slices_per_tick,
             metrics,
         }
     }
@@ -175,47 +186,72 @@ impl Router {
         self.shards[shard as usize].remove(device)
     }
 
-    fn evict_stalled(&mut self) {
-        let now = Instant::now();
-        let mut stalled = Vec::new();
-        for (shard, routes) in self.shards.iter().enumerate() {
-            for (device, route) in routes {
-                if route
-                    .queue
-                    .stalled_for(now)
-                    .is_some_and(|waited| waited >= self.stall_timeout)
-                {
-                    stalled.push((shard as u32, device.clone()));
-                }
+    /// One tick: pings the next slice, and checks the next few slices for stalled clients.
+    fn tick(&mut self) {
+        let slices = self.rotation.slices();
+        self.ping_slice(self.ticks % slices);
+        if !self.stall_timeout.is_zero() {
+            let now = Instant::now();
+            let first = self.ticks * self.stall_slices_per_tick;
+            for index in first..first + self.stall_slices_per_tick {
+                self.evict_stalled(index % slices, now);
             }
         }
-        for (shard, device) in stalled {
-            self.evict(shard, &device);
-        }
+        self.ticks = self.ticks.wrapping_add(1);
     }
 
-    fn ping_slice(&mut self) {
-        let slice = self.heartbeat_tick % HEARTBEAT_SLICES;
-        self.heartbeat_tick += 1;
+    /// The route of a rotation member, if that connection is still the device's route.
+    fn route_of<'a>(shards: &'a [HashMap<DeviceId, Route>], member: &Member) -> Option<&'a Route> {
+        shards[member.shard as usize]
+            .get(&member.device)
+            .filter(|route| route.connection_id == member.connection_id)
+    }
+
+    fn ping_slice(&mut self, index: usize) {
+        let shards = &self.shards;
         let mut overflowed = Vec::new();
         let mut closed = Vec::new();
-        for (shard, routes) in self.shards.iter().enumerate() {
-            for (device, route) in routes {
-                if route.connection_id % HEARTBEAT_SLICES != slice {
-                    continue;
+        self.rotation.visit(index, |member| {
+            let Some(route) = Self::route_of(shards, member) else {
+                return false;
+            };
+            match route.queue.try_send(QueueItem::Ping) {
+                Ok(()) => true,
+                Err(TrySendError::Full) => {
+                    overflowed.push((member.shard, member.device.clone()));
+                    false
                 }
-                match route.queue.try_send(QueueItem::Ping) {
-                    Ok(()) => {}
-                    Err(TrySendError::Full) => overflowed.push((shard as u32, device.clone())),
-                    Err(TrySendError::Closed) => closed.push((shard as u32, device.clone())),
+                Err(TrySendError::Closed) => {
+                    closed.push((member.shard, member.device.clone()));
+                    false
                 }
             }
-        }
+        });
         for (shard, device) in overflowed {
             self.evict(shard, &device);
         }
         for (shard, device) in closed {
             self.remove(shard, &device);
+        }
+    }
+
+    fn evict_stalled(&mut self, index: usize, now: Instant) {
+        let shards = &self.shards;
+        let stall_timeout = self.stall_timeout;
+        let mut stalled = Vec::new();
+        self.rotation.visit(index, |member| {
+            let Some(route) = Self::route_of(shards, member) else {
+                return false;
+            };
+            let waited = route.queue.stalled_for(now);
+            if waited.is_some_and(|waited| waited >= stall_timeout) {
+                stalled.push((member.shard, member.device.clone()));
+                return false;
+            }
+            true
+        });
+        for (shard, device) in stalled {
+            self.evict(shard, &device);
         }
     }
 }
@@ -226,12 +262,9 @@ impl Actor for Router {
     fn started(&mut self, ctx: &mut Context<Self>) {
         // Tails wait on this mailbox when the Router falls behind; a few batches in flight suffice.
         ctx.set_mailbox_capacity(64);
-        ctx.run_interval(self.heartbeat / HEARTBEAT_SLICES as u32, |router, _| {
-            router.ping_slice()
+        ctx.run_interval(self.rotation.tick_interval(self.heartbeat), |router, _| {
+            router.tick()
         });
-        if !self.stall_timeout.is_zero() {
-            ctx.run_interval(STALL_SWEEP, |router, _| router.evict_stalled());
-        }
     }
 }
 
@@ -262,6 +295,11 @@ impl Handler<Register> for Router {
     type Result = ();
 
     fn handle(&mut self, register: Register, _: &mut Context<Self>) {
+        self.rotation.join(Member {
+            shard: register.shard,
+            device: register.device.clone(),
+            connection_id: register.connection_id,
+        });
         let route = Route {
             connection_id: register.connection_id,
             queue: register.queue,

@@ -1,0 +1,138 @@
+//! The Router's rotation of its connections for periodic work (heartbeats, the stall check).
+//!
+//! Every connection joins one of many small slices when it registers. The Router's timer visits
+//! one slice per tick, so a pod pings a few dozen connections every 25 ms instead of a large
+//! share of them at once. A burst of pings is a burst of writes on the workers, and every event
+//! queued behind it waits: with one tenth of 10,000 connections pinged every 2 s, the bursts were
+//! visible in the unicast p99 (docs/BENCHMARKS.md).
+//!
+//! Members are not removed when their connection goes: a visit drops the ones whose route is
+//! gone or belongs to a newer connection, so a member outlives its connection by one heartbeat
+//! at most and unregistering costs nothing.
+
+use std::time::Duration;
+
+use crate::model::DeviceId;
+
+/// Target time between two ticks.
+pub const TICK: Duration = Duration::from_millis(25);
+/// More slices than this would only make ticks emptier (a 20 s heartbeat needs 800).
+const MAX_SLICES: u32 = 4096;
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Member {
+    pub shard: u32,
+    pub device: DeviceId,
+    pub connection_id: u64,
+}
+
+#[derive(Debug)]
+pub struct Rotation {
+    slices: Vec<Vec<Member>>,
+    joined: usize,
+}
+
+impl Rotation {
+    /// A rotation that visits every member once per `period`, one slice per tick.
+    pub fn new(period: Duration) -> Self {
+        let slices = (period.as_nanos() / TICK.as_nanos()).clamp(1, MAX_SLICES as u128) as usize;
+        Self {
+            slices: (0..slices).map(|_| Vec::new()).collect(),
+            joined: 0,
+        }
+    }
+
+    pub fn slices(&self) -> usize {
+        self.slices.len()
+    }
+
+    /// Time between ticks so that all slices are visited once per `period`.
+    pub fn tick_interval(&self, period: Duration) -> Duration {
+        period / self.slices.len() as u32
+    }
+
+    /// Adds a member, round robin, so slices differ in size by one at most.
+    pub fn join(&mut self, member: Member) {
+        let slice = self.joined % self.slices.len();
+        self.joined = self.joined.wrapping_add(1);
+        self.slices[slice].push(member);
+    }
+
+    /// Visits every member of slice `index`; those for which `keep` answers false leave.
+    pub fn visit(&mut self, index: usize, keep: impl FnMut(&Member) -> bool) {
+        let count = self.slices.len();
+        let slice = &mut self.slices[index % count];
+        slice.retain(keep);
+        // A slice that emptied after a burst of connections must not pin its storage.
+        if slice.capacity() > 2 * slice.len() + 8 {
+            slice.shrink_to_fit();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn member(n: u64) -> Member {
+        Member {
+            shard: 0,
+            device: DeviceId::parse(&format!("pos-{n}")).unwrap(),
+            connection_id: n,
+        }
+    }
+
+    #[test]
+    fn slices_follow_the_period() {
+        assert_eq!(Rotation::new(Duration::from_secs(20)).slices(), 800);
+        assert_eq!(Rotation::new(Duration::from_millis(100)).slices(), 4);
+        assert_eq!(Rotation::new(Duration::from_millis(10)).slices(), 1);
+        assert_eq!(Rotation::new(Duration::from_secs(3600)).slices(), 4096);
+        let rotation = Rotation::new(Duration::from_secs(20));
+        assert_eq!(
+            rotation.tick_interval(Duration::from_secs(20)),
+            Duration::from_millis(25)
+        );
+    }
+
+    #[test]
+    fn every_member_is_visited_once_per_round_in_small_slices() {
+        let mut rotation = Rotation::new(Duration::from_secs(1));
+        assert_eq!(rotation.slices(), 40);
+        for n in 0..1000 {
+            rotation.join(member(n));
+        }
+        let mut seen = vec![0u32; 1000];
+        for index in 0..rotation.slices() {
+            let mut in_slice = 0;
+            rotation.visit(index, |m| {
+                seen[m.connection_id as usize] += 1;
+                in_slice += 1;
+                true
+            });
+            assert_eq!(in_slice, 25, "slice {index}");
+        }
+        assert!(seen.iter().all(|&visits| visits == 1), "{seen:?}");
+    }
+
+    #[test]
+    fn members_that_are_not_kept_leave() {
+        let mut rotation = Rotation::new(Duration::from_millis(50));
+        for n in 0..10 {
+            rotation.join(member(n));
+        }
+        for index in 0..rotation.slices() {
+            rotation.visit(index, |m| m.connection_id % 2 == 0);
+        }
+        assert_eq!(rotation.slices.iter().map(Vec::len).sum::<usize>(), 5);
+        let mut left = Vec::new();
+        for index in 0..rotation.slices() {
+            rotation.visit(index, |m| {
+                left.push(m.connection_id);
+                true
+            });
+        }
+        left.sort();
+        assert_eq!(left, vec![0, 2, 4, 6, 8]);
+    }
+}
