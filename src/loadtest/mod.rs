@@ -278,7 +278,8 @@ impl Run {
     }
 
     /// Opens one event stream per device index, `connect_concurrency` attempts in flight,
-    /// each with its cursor when `cursors` is given. Results are in index order.
+    /// each with its cursor when `cursors` is given. Results are in index order. Each attempt is
+    /// its own task, so the tool's threads share the connecting and the response parsing.
     async fn open_streams(
         &self,
         indices: impl Iterator<Item = usize>,
@@ -288,24 +289,24 @@ impl Run {
     ) -> Vec<Opened> {
         let started = Instant::now();
         let mut opened: Vec<_> = futures_util::stream::iter(indices)
-            .map(|index| async move {
-                let cursor = cursors.map(|c| c[index].as_str()).filter(|c| !c.is_empty());
+            .map(|index| {
+                let cursor = cursors.map(|c| c[index].clone()).filter(|c| !c.is_empty());
+                let endpoint = self.endpoint.clone();
+                let source = self.source(index);
                 let path = self.stream_path(index);
-                let result = wire::open_sse(
-                    &self.endpoint,
-                    self.source(index),
-                    &path,
-                    cursor,
-                    receive_buffer,
-                )
-                .await;
-                Opened {
-                    index,
-                    result,
-                    after: started.elapsed(),
-                }
+                tokio::spawn(async move {
+                    let result =
+                        wire::open_sse(&endpoint, source, &path, cursor.as_deref(), receive_buffer)
+                            .await;
+                    Opened {
+                        index,
+                        result,
+                        after: started.elapsed(),
+                    }
+                })
             })
             .buffer_unordered(concurrency)
+            .map(|joined| joined.expect("a connection attempt panicked"))
             .collect()
             .await;
         opened.sort_by_key(|opened| opened.index);
