@@ -5,9 +5,13 @@
 //! Receives (control only): [`Close`] (Router: `SlowConsumer`, `Takeover`; Shutdown: `Drain`),
 //! [`AnnounceRetry`] (Shutdown, when a drain begins), [`BodyDropped`] (the body, when actix drops
 //! it: the client went away).
-//! Sends: [`Register`] on start and [`Unregister`] on stop to the Router.
-//! Resume: registers first (live events start queueing), then replays the backlog after the
-//! cursor page by page, then the body switches to the live queue and skips what was replayed.
+//! Sends: [`Register`] when opened and [`Unregister`] on stop to the Router.
+//! Registration: `open` puts `Register` into the Router's mailbox before the HTTP handler answers,
+//! without waiting for a reply. Any event appended to the backend after that moment reaches the
+//! Router behind it (a tail reads it later, and the mailbox is FIFO), so a client that has seen
+//! the first bytes misses nothing, and the stream costs no round trip to the Router's thread.
+//! Resume: after that, replays the backlog after the cursor page by page, then the body switches
+//! to the live queue and skips what was replayed.
 //! Backpressure: the Router `try_send`s into the queue; full → `CloseReason::SlowConsumer`, and
 //! the socket is shut at once (see `sse::socket`). Replay pages wait on the replay channel, i.e.
 //! on the client's reading speed, while live events accumulate in the bounded queue.
@@ -24,7 +28,7 @@ use std::sync::{
 use actix::prelude::*;
 use bytes::Bytes;
 use thiserror::Error;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::mpsc;
 
 use super::{
     close_reason::{CloseReason, ResyncReason},
@@ -159,10 +163,13 @@ pub struct OpenStream {
     pub socket_fd: Option<std::os::fd::RawFd>,
 }
 
+/// The Router's mailbox is closed: the hub is shutting down.
+#[derive(Debug, Error)]
+#[error("the router is gone")]
+pub struct RouterGone;
+
 #[derive(Debug, Error)]
 enum ResumeError {
-    #[error("router is gone")]
-    RouterGone,
     #[error(transparent)]
     Backend(#[from] BackendError),
     #[error("client went away during replay")]
@@ -179,8 +186,6 @@ pub struct Connection {
     queue: Option<QueueSender>,
     /// Cursor and replay sender, taken when the actor starts.
     resume: Option<(String, mpsc::Sender<QueueItem>)>,
-    /// Told once the Router has registered this connection, taken when the actor starts.
-    registered: Option<oneshot::Sender<Recipient<Close>>>,
     control: Arc<StreamControl>,
     router: RouterLink,
     backend: Arc<dyn Backend>,
@@ -191,9 +196,8 @@ pub struct Connection {
 }
 
 impl Connection {
-    /// Starts the actor on the current arbiter and returns the response body it feeds, plus a
-    /// receiver that yields the actor's control handle once the Router has registered it (from
-    /// then on no live event for the device can be missed). The caller has taken a connection
+    /// Starts the actor on the current arbiter, registers it with the Router, and returns the
+    /// response body it feeds plus the actor's control handle. The caller has taken a connection
     /// slot with [`HubState::try_acquire_connection`]; the actor returns it when it stops.
     pub fn open(
         stream: OpenStream,
@@ -201,7 +205,7 @@ impl Connection {
         backend: Arc<dyn Backend>,
         metrics: Arc<Metrics>,
         hub: Arc<HubState>,
-    ) -> (SseBody, oneshot::Receiver<Recipient<Close>>) {
+    ) -> Result<(SseBody, Recipient<Close>), RouterGone> {
         let (queue, live) = queue::channel(stream.queue_limit);
         let (resume, replay) = match stream.cursor {
             Some(cursor) => {
@@ -211,14 +215,14 @@ impl Connection {
             None => (None, None),
         };
         let control = Arc::new(StreamControl::new(stream.socket_fd));
-        let (registered, on_registered) = oneshot::channel();
+        let id = hub.next_id();
+        let register = router.register.clone();
         let connection = Connection {
-            id: hub.next_id(),
-            device: stream.device,
+            id,
+            device: stream.device.clone(),
             shard: stream.shard,
-            queue: Some(queue),
+            queue: Some(queue.clone()),
             resume,
-            registered: Some(registered),
             control: control.clone(),
             router,
             backend,
@@ -233,11 +237,26 @@ impl Connection {
             replay,
             live,
             control,
-            address.recipient(),
+            address.clone().recipient(),
             metrics,
             hub_for_body,
         );
-        (body, on_registered)
+        if !register.connected() {
+            return Err(RouterGone);
+        }
+        // `do_send` queues at once, even beyond the mailbox capacity: the order of the mailbox is
+        // what makes the registration count from now (see the module doc).
+        register.do_send(Register {
+            device: stream.device,
+            shard: stream.shard,
+            connection_id: id,
+            queue,
+            control: DrainTarget {
+                announce: address.clone().recipient(),
+                close: address.clone().recipient(),
+            },
+        });
+        Ok((body, address.recipient()))
     }
 
     /// Ends the stream at once: nothing queued is written.
@@ -254,43 +273,21 @@ impl Actor for Connection {
     fn started(&mut self, ctx: &mut Context<Self>) {
         self.metrics.sse_connections.inc();
         self.metrics.sse_connections_opened.inc();
-        let Some(queue) = self.queue.clone() else {
+        let Some((cursor, replay)) = self.resume.take() else {
             return;
         };
-        let register = self.router.register.send(Register {
-            device: self.device.clone(),
-            shard: self.shard,
-            connection_id: self.id,
-            queue,
-            control: DrainTarget {
-                announce: ctx.address().recipient(),
-                close: ctx.address().recipient(),
-            },
-        });
-        let resume = self.resume.take();
-        let registered = self.registered.take();
-        let control = ctx.address().recipient();
         let (backend, device, shard, metrics) = (
             self.backend.clone(),
             self.device.clone(),
             self.shard,
             self.metrics.clone(),
         );
-        let start = async move {
-            register.await.map_err(|_| ResumeError::RouterGone)?;
-            if let Some(registered) = registered {
-                // The HTTP edge may have given up waiting; then the body is dropped and we stop.
-                let _ = registered.send(control);
-            }
-            match resume {
-                Some((cursor, replay)) => {
-                    replay_after(&*backend, &device, shard, &cursor, replay, &metrics).await
-                }
-                None => Ok(()),
-            }
-        };
+        // `open` has queued the registration ahead of anything appended from now on, so what
+        // this replay does not find, the Router delivers live (and the floor drops doubles).
+        let replay =
+            async move { replay_after(&*backend, &device, shard, &cursor, replay, &metrics).await };
         ctx.spawn(
-            start
+            replay
                 .into_actor(self)
                 .map(|result, connection, ctx| match result {
                     Ok(()) => {}

@@ -1,8 +1,6 @@
 //! `GET /v1/devices/{device}/events` (SPEC 4.1): validates the request, opens a Connection actor
 //! and answers with the body it feeds.
 
-use std::time::Duration;
-
 use actix_web::{web, HttpRequest, HttpResponse};
 use serde::Deserialize;
 
@@ -15,9 +13,6 @@ use crate::{
     model::{shard_of, DeviceId},
     sse::control::ConnectionSocket,
 };
-
-/// Longest wait for the Router to register a new stream before answering 503.
-const REGISTER_TIMEOUT: Duration = Duration::from_secs(10);
 
 #[derive(Debug, Deserialize)]
 pub struct StreamQuery {
@@ -52,7 +47,9 @@ pub async fn stream(
         .or_else(|| query.into_inner().last_event_id)
         .filter(|cursor| !cursor.is_empty());
     let shard = shard_of(device.as_str(), state.backend.shards());
-    let (body, registered) = Connection::open(
+    // `open` queues the registration with the Router before we answer, so a client that has
+    // seen the first bytes cannot miss an event published after them.
+    let (body, control) = Connection::open(
         OpenStream {
             device,
             shard,
@@ -67,17 +64,8 @@ pub async fn stream(
         state.backend.clone(),
         state.metrics.clone(),
         state.hub.clone(),
-    );
-    // Answer only once the Router knows the connection: a client that has seen the first bytes
-    // must not miss an event published right after.
-    let control = match tokio::time::timeout(REGISTER_TIMEOUT, registered).await {
-        Ok(Ok(control)) => control,
-        _ => {
-            return Err(ApiError::BackendUnavailable(
-                "the hub could not register the stream".into(),
-            ))
-        }
-    };
+    )
+    .map_err(|_| ApiError::BackendUnavailable("the hub could not register the stream".into()))?;
     // A drain that started while we registered may have taken its list of connections before us:
     // refuse instead of leaving an open stream the drain does not know about.
     if state.hub.is_draining() {
