@@ -7,10 +7,11 @@ pub mod ops;
 pub mod publish;
 pub mod sse;
 
-use std::{os::fd::AsRawFd, sync::Arc, time::Duration};
+use std::{net::TcpListener, os::fd::AsRawFd, sync::Arc, time::Duration};
 
 use actix::Addr;
 use actix_web::{dev::Server, web, App, HttpRequest, HttpServer};
+use socket2::{Domain, Protocol, Socket, TcpKeepalive, Type};
 
 use crate::{
     actors::{
@@ -106,7 +107,7 @@ impl actix_web::Responder for ApiError {
 /// Builds and binds the HTTP server. Signals are ours (the Shutdown actor), not actix-web's.
 pub fn server(state: AppState) -> std::io::Result<Server> {
     let config = state.config.clone();
-    let send_buffer = config.sse.send_buffer;
+    let listener = listener(config.server.listen, config.sse.send_buffer)?;
     let server = HttpServer::new(move || {
         App::new()
             .wrap(cors::CorsHeaders)
@@ -119,29 +120,74 @@ pub fn server(state: AppState) -> std::io::Result<Server> {
     .shutdown_timeout(2)
     // A client's FIN must end its stream now, not at the next failed write.
     .h1_allow_half_closed(false)
-    // Events must leave at once; the SSE body already coalesces what is queued into one write,
-    // so Nagle's algorithm would only add a round trip of delay to a lone event.
-    .tcp_nodelay(true)
-    .backlog(4096)
     .max_connections(50_000)
     .on_connect(move |connection, extensions| {
         if let Some(tcp) = connection.downcast_ref::<actix_web::rt::net::TcpStream>() {
-            let socket = socket2::SockRef::from(tcp);
-            // A stalled client must fill our bounded queue, not megabytes of kernel buffer.
-            if send_buffer > 0 {
-                let _ = socket.set_send_buffer_size(send_buffer);
-            }
-            let keepalive = socket2::TcpKeepalive::new()
-                .with_time(Duration::from_secs(60))
-                .with_interval(Duration::from_secs(10))
-                .with_retries(3);
-            let _ = socket.set_tcp_keepalive(&keepalive);
-            // Unacknowledged data for this long means the peer is gone (a pulled cable).
-            let _ = socket.set_tcp_user_timeout(Some(Duration::from_secs(90)));
             extensions.insert(ConnectionSocket(tcp.as_raw_fd()));
         }
     })
-    .bind(config.server.listen)?
+    .listen(listener)?
     .run();
     Ok(server)
+}
+
+/// The listening socket, with every option an accepted connection needs: Linux copies them to
+/// each accepted socket, so they are set once instead of with seven `setsockopt` calls per
+/// connection (`listener_options_reach_accepted_sockets` checks the inheritance).
+fn listener(address: std::net::SocketAddr, send_buffer: usize) -> std::io::Result<TcpListener> {
+    let socket = Socket::new(
+        Domain::for_address(address),
+        Type::STREAM,
+        Some(Protocol::TCP),
+    )?;
+    socket.set_reuse_address(true)?;
+    // Events must leave at once; the SSE body already coalesces what is queued into one write,
+    // so Nagle's algorithm would only add a round trip of delay to a lone event.
+    socket.set_tcp_nodelay(true)?;
+    // A stalled client must fill our bounded queue, not megabytes of kernel buffer.
+    if send_buffer > 0 {
+        socket.set_send_buffer_size(send_buffer)?;
+    }
+    let keepalive = TcpKeepalive::new()
+        .with_time(Duration::from_secs(60))
+        .with_interval(Duration::from_secs(10))
+        .with_retries(3);
+    socket.set_tcp_keepalive(&keepalive)?;
+    // Unacknowledged data for this long means the peer is gone (a pulled cable).
+    socket.set_tcp_user_timeout(Some(Duration::from_secs(90)))?;
+    socket.bind(&address.into())?;
+    socket.listen(4096)?;
+    socket.set_nonblocking(true)?;
+    Ok(socket.into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn listener_options_reach_accepted_sockets() {
+        let listener = listener("127.0.0.1:0".parse().unwrap(), 32768).unwrap();
+        listener.set_nonblocking(false).unwrap();
+        let _client = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (accepted, _) = listener.accept().unwrap();
+        let socket = socket2::SockRef::from(&accepted);
+        assert!(socket.tcp_nodelay().unwrap());
+        // Linux doubles the value it is given, for its own bookkeeping.
+        assert_eq!(socket.send_buffer_size().unwrap(), 2 * 32768);
+        assert!(socket.keepalive().unwrap());
+        assert_eq!(
+            socket.tcp_keepalive_time().unwrap(),
+            Duration::from_secs(60)
+        );
+        assert_eq!(
+            socket.tcp_keepalive_interval().unwrap(),
+            Duration::from_secs(10)
+        );
+        assert_eq!(socket.tcp_keepalive_retries().unwrap(), 3);
+        assert_eq!(
+            socket.tcp_user_timeout().unwrap(),
+            Some(Duration::from_secs(90))
+        );
+    }
 }
