@@ -93,6 +93,30 @@ async fn live_events_carry_published_ids_and_safe_multiline_data() {
     );
 }
 
+/// A client that has read the response head gets an event published right after it, even when
+/// hundreds connect at once and the Router's mailbox is busy: the hub queues the registration
+/// ahead of any later event before it answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_event_published_right_after_the_head_is_never_missed() {
+    let hub = std::sync::Arc::new(Hub::builder().start().await);
+    let clients: Vec<_> = (0..200)
+        .map(|i| {
+            let hub = hub.clone();
+            tokio::spawn(async move {
+                let device = format!("burst-{i}");
+                let mut client = SseClient::connect(hub.addr(), &stream_path(&device), &[]).await;
+                assert_eq!(client.status(), 200, "{device}");
+                let id = publish_to(&hub, &device, "right after").await;
+                let events = client.expect_events(1, WAIT).await;
+                assert_eq!(events[0].id.as_deref(), Some(id.as_str()), "{device}");
+            })
+        })
+        .collect();
+    for client in clients {
+        client.await.expect("client task");
+    }
+}
+
 /// Reconnecting with `Last-Event-ID` replays exactly the device's missed events and its shard's
 /// broadcasts, in order, then continues live; `?last_event_id=` works the same way.
 #[tokio::test]

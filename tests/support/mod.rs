@@ -44,8 +44,8 @@ pub fn stream_path(device: &str) -> String {
 }
 
 /// Opens the stream of `device` without a cursor and checks it was accepted. The hub answers only
-/// once the connection is registered for live events, so every event published after this
-/// returns is delivered to it.
+/// once the connection's registration is queued ahead of any later event, so every event
+/// published after this returns is delivered to it.
 pub async fn live_stream(hub: &Hub, device: &str) -> SseClient {
     let client = SseClient::connect(hub.addr(), &stream_path(device), &[]).await;
     assert_eq!(client.status(), 200, "stream for {device}");
