@@ -29,6 +29,8 @@ pub struct Member {
 #[derive(Debug)]
 pub struct Rotation {
     slices: Vec<Vec<Member>>,
+    /// One tick per slice: every member is visited once per `period`.
+    period: Duration,
     joined: usize,
 }
 
@@ -38,6 +40,7 @@ impl Rotation {
         let slices = (period.as_nanos() / TICK.as_nanos()).clamp(1, MAX_SLICES as u128) as usize;
         Self {
             slices: (0..slices).map(|_| Vec::new()).collect(),
+            period,
             joined: 0,
         }
     }
@@ -46,9 +49,15 @@ impl Rotation {
         self.slices.len()
     }
 
-    /// Time between ticks so that all slices are visited once per `period`.
-    pub fn tick_interval(&self, period: Duration) -> Duration {
-        period / self.slices.len() as u32
+    /// Time between ticks so that all slices are visited once per period.
+    pub fn tick_interval(&self) -> Duration {
+        self.period / self.slices.len() as u32
+    }
+
+    /// Slices to visit per tick so that all of them are visited once per `every` (at least one).
+    pub fn slices_per_tick(&self, every: Duration) -> usize {
+        let ticks = every.as_secs_f64() / self.tick_interval().as_secs_f64();
+        ((self.slices() as f64 / ticks).ceil() as usize).clamp(1, self.slices())
     }
 
     /// Adds a member, round robin, so slices differ in size by one at most.
@@ -89,10 +98,13 @@ mod tests {
         assert_eq!(Rotation::new(Duration::from_millis(10)).slices(), 1);
         assert_eq!(Rotation::new(Duration::from_secs(3600)).slices(), 4096);
         let rotation = Rotation::new(Duration::from_secs(20));
-        assert_eq!(
-            rotation.tick_interval(Duration::from_secs(20)),
-            Duration::from_millis(25)
-        );
+        assert_eq!(rotation.tick_interval(), Duration::from_millis(25));
+        assert_eq!(rotation.slices_per_tick(Duration::from_secs(1)), 20);
+        // Ticks of 879 ms: 3,600 of the 4,096 slices per tick cover all of them within 1 s.
+        let slow = Rotation::new(Duration::from_secs(3600));
+        let per_tick = slow.slices_per_tick(Duration::from_secs(1));
+        assert!(per_tick as f64 * (1.0 / slow.tick_interval().as_secs_f64()) >= 4096.0);
+        assert!(per_tick <= 4096);
     }
 
     #[test]

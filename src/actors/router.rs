@@ -1,7 +1,7 @@
 //! `Router`: knows the connections of this pod and hands them their events.
 //!
 //! Owns: one map per shard from device to its connection's queue sender (the same queue its SSE
-//! body drains), plus the heartbeat schedule.
+//! body drains), plus the rotation that schedules heartbeats and stall checks.
 //! Receives: [`Register`] / [`Unregister`] from Connections; [`RouteBatch`] from StreamTails (its
 //! bounded mailbox is the tails' backpressure); [`Snapshot`] from Shutdown and the
 //! status page.
@@ -92,7 +92,6 @@ struct Route {
 pub struct Router {
     /// Connections per shard, so a broadcast copy visits only the devices of its shard.
     shards: Vec<HashMap<DeviceId, Route>>,
-    heartbeat: Duration,
     /// Every connection, in slices: one slice is pinged per tick.
     rotation: Rotation,
     ticks: usize,
@@ -111,13 +110,9 @@ impl Router {
         metrics: Arc<Metrics>,
     ) -> Self {
         let rotation = Rotation::new(heartbeat);
-        let ticks_per_sweep =
-            STALL_SWEEP.as_secs_f64() / rotation.tick_interval(heartbeat).as_secs_f64();
-        let stall_slices_per_tick = ((rotation.slices() as f64 / ticks_per_sweep).ceil() as usize)
-            .clamp(1, rotation.slices());
+        let stall_slices_per_tick = rotation.slices_per_tick(STALL_SWEEP);
         Self {
             shards: (0..shards).map(|_| HashMap::new()).collect(),
-            heartbeat,
             rotation,
             ticks: 0,
             stall_timeout,
@@ -200,60 +195,62 @@ impl Router {
         self.ticks = self.ticks.wrapping_add(1);
     }
 
-    /// The route of a rotation member, if that connection is still the device's route.
-    fn route_of<'a>(shards: &'a [HashMap<DeviceId, Route>], member: &Member) -> Option<&'a Route> {
-        shards[member.shard as usize]
-            .get(&member.device)
-            .filter(|route| route.connection_id == member.connection_id)
-    }
-
-    fn ping_slice(&mut self, index: usize) {
+    /// Visits slice `index` of the rotation; `judge` decides for each live route. Members whose
+    /// connection is gone leave the rotation.
+    fn sweep(&mut self, index: usize, mut judge: impl FnMut(&Route) -> Verdict) {
         let shards = &self.shards;
-        let mut overflowed = Vec::new();
-        let mut closed = Vec::new();
+        let mut evict = Vec::new();
+        let mut remove = Vec::new();
         self.rotation.visit(index, |member| {
-            let Some(route) = Self::route_of(shards, member) else {
+            let Some(route) = shards[member.shard as usize]
+                .get(&member.device)
+                .filter(|route| route.connection_id == member.connection_id)
+            else {
                 return false;
             };
-            match route.queue.try_send(QueueItem::Ping) {
-                Ok(()) => true,
-                Err(TrySendError::Full) => {
-                    overflowed.push((member.shard, member.device.clone()));
-                    false
-                }
-                Err(TrySendError::Closed) => {
-                    closed.push((member.shard, member.device.clone()));
-                    false
-                }
+            match judge(route) {
+                Verdict::Keep => return true,
+                Verdict::Evict => evict.push((member.shard, member.device.clone())),
+                Verdict::Remove => remove.push((member.shard, member.device.clone())),
             }
+            false
         });
-        for (shard, device) in overflowed {
+        for (shard, device) in evict {
             self.evict(shard, &device);
         }
-        for (shard, device) in closed {
+        for (shard, device) in remove {
             self.remove(shard, &device);
         }
     }
 
+    fn ping_slice(&mut self, index: usize) {
+        self.sweep(index, |route| match route.queue.try_send(QueueItem::Ping) {
+            Ok(()) => Verdict::Keep,
+            Err(TrySendError::Full) => Verdict::Evict,
+            Err(TrySendError::Closed) => Verdict::Remove,
+        });
+    }
+
     fn evict_stalled(&mut self, index: usize, now: Instant) {
-        let shards = &self.shards;
         let stall_timeout = self.stall_timeout;
-        let mut stalled = Vec::new();
-        self.rotation.visit(index, |member| {
-            let Some(route) = Self::route_of(shards, member) else {
-                return false;
-            };
+        self.sweep(index, |route| {
             let waited = route.queue.stalled_for(now);
             if waited.is_some_and(|waited| waited >= stall_timeout) {
-                stalled.push((member.shard, member.device.clone()));
-                return false;
+                Verdict::Evict
+            } else {
+                Verdict::Keep
             }
-            true
         });
-        for (shard, device) in stalled {
-            self.evict(shard, &device);
-        }
     }
+}
+
+/// What a sweep does with a route.
+enum Verdict {
+    Keep,
+    /// A slow client: closed with `SlowConsumer`.
+    Evict,
+    /// Its body is gone already.
+    Remove,
 }
 
 impl Actor for Router {
@@ -262,9 +259,7 @@ impl Actor for Router {
     fn started(&mut self, ctx: &mut Context<Self>) {
         // Tails wait on this mailbox when the Router falls behind; a few batches in flight suffice.
         ctx.set_mailbox_capacity(64);
-        ctx.run_interval(self.rotation.tick_interval(self.heartbeat), |router, _| {
-            router.tick()
-        });
+        ctx.run_interval(self.rotation.tick_interval(), |router, _| router.tick());
     }
 }
 
