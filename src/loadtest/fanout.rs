@@ -17,7 +17,7 @@ use tokio::sync::watch;
 
 use super::{
     emit, failed, payload,
-    probe::CpuMeter,
+    probe::{CpuMeter, CpuShare},
     publisher::{Outgoing, Publisher},
     tally::{Latencies, LatencySummary, Tally, Totals},
     wire::{self, SseStream},
@@ -129,7 +129,7 @@ pub struct Published {
 }
 
 /// Publishes the plan on a 5 ms schedule; a batch carries every event that is due.
-pub async fn publish_paced(
+async fn publish_paced(
     run: &Run,
     publisher: &mut Publisher,
     plan: &Plan,
@@ -243,6 +243,15 @@ pub struct ReaderSet {
     pub shared: Arc<Readers>,
 }
 
+/// What [`ReaderSet::publish_and_read`] measured.
+pub struct Measured {
+    pub published: Published,
+    /// When publishing began (µs since the epoch, as the payloads' send stamps).
+    pub first_publish_us: u64,
+    pub cpu: CpuShare,
+    pub read: ReadOutcome,
+}
+
 /// What the readers of a run received, summed.
 pub struct ReadOutcome {
     pub totals: Totals,
@@ -280,7 +289,7 @@ impl ReaderSet {
     }
 
     /// Waits until every reader is complete, or `settle` after publishing ended.
-    pub async fn settle(&self, settle: Duration) {
+    async fn settle(&self, settle: Duration) {
         let deadline = Instant::now() + settle;
         while self.shared.complete.load(Ordering::Relaxed) < self.tasks.len() as u64
             && Instant::now() < deadline
@@ -289,8 +298,30 @@ impl ReaderSet {
         }
     }
 
+    /// The measured part of a run: publishes `plan` paced, lets the readers settle, and sums
+    /// what they received, with the CPU used meanwhile.
+    pub async fn publish_and_read(
+        self,
+        run: &Run,
+        publisher: &mut Publisher,
+        plan: &Plan,
+        settle: Duration,
+    ) -> Result<Measured, LoadtestError> {
+        let cpu = CpuMeter::start(&run.server).await;
+        let first_publish_us = payload::now_us();
+        let published = publish_paced(run, publisher, plan).await?;
+        self.settle(settle).await;
+        let cpu = cpu.stop(&run.server).await;
+        Ok(Measured {
+            published,
+            first_publish_us,
+            cpu,
+            read: self.finish().await?,
+        })
+    }
+
     /// Stops every reader (and companion task) and sums what they received.
-    pub async fn finish(self) -> Result<ReadOutcome, LoadtestError> {
+    async fn finish(self) -> Result<ReadOutcome, LoadtestError> {
         let _ = self.stop.send(true);
         let mut outcome = ReadOutcome {
             totals: Totals::default(),
@@ -323,16 +354,19 @@ pub async fn run(run: &Run, args: &FanoutArgs) -> Result<(), LoadtestError> {
     );
     let readers = ReaderSet::spawn(streams.into_iter().enumerate(), &plan);
     let shared = readers.shared.clone();
-    let cpu = CpuMeter::start(&run.server).await;
-    let first_publish_us = payload::now_us();
-    let published = publish_paced(run, &mut publisher, &plan).await?;
-    readers.settle(args.settle).await;
-    let cpu = cpu.stop(&run.server).await;
-    let ReadOutcome {
-        totals,
-        closed_by_server: closed,
-        resyncs,
-    } = readers.finish().await?;
+    let Measured {
+        published,
+        first_publish_us,
+        cpu,
+        read:
+            ReadOutcome {
+                totals,
+                closed_by_server: closed,
+                resyncs,
+            },
+    } = readers
+        .publish_and_read(run, &mut publisher, &plan, args.settle)
+        .await?;
     let histogram = shared.latencies.merged();
     let latency = LatencySummary::of(&histogram);
     let last = shared.last_delivery_us.load(Ordering::Relaxed);

@@ -11,8 +11,8 @@ use tokio::sync::watch;
 
 use super::{
     emit,
-    fanout::{publish_paced, Plan, ReadOutcome, ReaderSet},
-    probe::{CpuMeter, Memory},
+    fanout::{Measured, Plan, ReadOutcome, ReaderSet},
+    probe::Memory,
     tally::LatencySummary,
     wire, Common, LoadtestError, Mode, PublishOptions, Run,
 };
@@ -99,15 +99,19 @@ pub async fn run(run: &Run, args: &SlowArgs) -> Result<(), LoadtestError> {
     let started = Instant::now();
     let watcher = tokio::spawn(watch_slow(slow, started, readers.stop_signal()));
     let sampler = tokio::spawn(sample_memory(run.server.clone(), readers.stop_signal()));
-    let cpu = CpuMeter::start(&run.server).await;
-    let published = publish_paced(run, &mut publisher, &plan).await?;
-    readers.settle(args.settle).await;
-    let cpu = cpu.stop(&run.server).await;
-    let ReadOutcome {
-        totals,
-        closed_by_server: healthy_closed,
+    let Measured {
+        published,
+        cpu,
+        read:
+            ReadOutcome {
+                totals,
+                closed_by_server: healthy_closed,
+                ..
+            },
         ..
-    } = readers.finish().await?;
+    } = readers
+        .publish_and_read(run, &mut publisher, &plan, args.settle)
+        .await?;
     let evictions = watcher
         .await
         .map_err(|e| LoadtestError::Failed(format!("watcher: {e}")))?;
