@@ -13,6 +13,7 @@
 //! Plain `http://` only; put TLS in front (a sidecar or the load balancer) for now.
 
 pub mod cursor;
+pub mod dechunk;
 pub mod parser;
 pub mod policy;
 
@@ -30,6 +31,7 @@ use tokio::{
 
 use self::{
     cursor::CursorFile,
+    dechunk::Dechunk,
     parser::{Dispatched, Parsed, Parser},
     policy::{ReconnectPolicy, HEALTHY_AFTER},
 };
@@ -252,14 +254,17 @@ async fn connect_once(
     notify(Notice::Connected {
         resumed_from: cursor.clone(),
     });
-    let mut dechunk = chunked.then(Dechunker::default);
+    let mut dechunk = chunked.then(Dechunk::default);
     let mut parser = Parser::new();
     loop {
         let decoded = match &mut dechunk {
-            Some(dechunk) => match dechunk.feed(&body) {
-                Ok(decoded) => decoded,
-                Err(error) => return retry(error),
-            },
+            Some(dechunk) => {
+                let mut decoded = Vec::new();
+                if let Err(error) = dechunk.feed(&body, |bytes| decoded.extend_from_slice(bytes)) {
+                    return retry(error.to_string());
+                }
+                decoded
+            }
             None => std::mem::take(&mut body),
         };
         body.clear();
@@ -295,7 +300,7 @@ async fn connect_once(
                 }
             }
         }
-        if dechunk.as_ref().is_some_and(Dechunker::is_done) {
+        if dechunk.as_ref().is_some_and(Dechunk::finished) {
             return Ended::Closed;
         }
         match tokio::time::timeout(silence, stream.read(&mut buf)).await {
@@ -314,75 +319,9 @@ async fn connect_once(
     }
 }
 
-/// `Transfer-Encoding: chunked` decoding, incremental.
-#[derive(Default)]
-struct Dechunker {
-    pending: Vec<u8>,
-    /// Bytes left in the current chunk (plus its CRLF), or None while reading a size line.
-    left: Option<usize>,
-    done: bool,
-}
-
-impl Dechunker {
-    fn is_done(&self) -> bool {
-        self.done
-    }
-
-    fn feed(&mut self, input: &[u8]) -> Result<Vec<u8>, String> {
-        // After the last chunk only the (empty) trailer's CRLF can follow.
-        if self.done {
-            return Ok(Vec::new());
-        }
-        self.pending.extend_from_slice(input);
-        let mut out = Vec::new();
-        loop {
-            match self.left {
-                None => {
-                    let Some(end) = self.pending.windows(2).position(|w| w == b"\r\n") else {
-                        return Ok(out);
-                    };
-                    let line = String::from_utf8_lossy(&self.pending[..end]).into_owned();
-                    let size =
-                        usize::from_str_radix(line.split(';').next().unwrap_or("").trim(), 16)
-                            .map_err(|_| format!("bad chunk size {line:?}"))?;
-                    self.pending.drain(..end + 2);
-                    if size == 0 {
-                        self.done = true;
-                        return Ok(out);
-                    }
-                    self.left = Some(size + 2);
-                }
-                Some(left) => {
-                    if self.pending.is_empty() {
-                        return Ok(out);
-                    }
-                    let take = left.min(self.pending.len());
-                    let data_part = take.min(left.saturating_sub(2));
-                    out.extend_from_slice(&self.pending[..data_part]);
-                    self.pending.drain(..take);
-                    self.left = Some(left - take).filter(|l| *l > 0);
-                }
-            }
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// Chunked bodies decode the same whatever the read boundaries.
-    #[test]
-    fn dechunker_handles_any_split() {
-        let wire = b"5\r\nhello\r\n1;ext=1\r\n \r\n6\r\nworld!\r\n0\r\n\r\n";
-        for split in 1..wire.len() {
-            let mut dechunk = Dechunker::default();
-            let mut out = dechunk.feed(&wire[..split]).unwrap();
-            out.extend(dechunk.feed(&wire[split..]).unwrap());
-            assert_eq!(out, b"hello world!", "split at {split}");
-            assert!(dechunk.is_done());
-        }
-    }
 
     /// Base URLs keep a path prefix and refuse anything but http://.
     #[test]

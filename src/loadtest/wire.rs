@@ -14,6 +14,7 @@ use tokio::{
 };
 
 use super::{payload, Endpoint};
+use crate::client::dechunk::Dechunk;
 
 /// Longest response head accepted from a server under test.
 const MAX_HEAD: usize = 16 * 1024;
@@ -109,15 +110,7 @@ pub async fn read_head(stream: &mut TcpStream, buf: &mut Vec<u8>) -> io::Result<
         if buf.len() > MAX_HEAD {
             return Err(invalid("response head longer than 16 KiB"));
         }
-        let mut chunk = [0u8; 4096];
-        let n = stream.read(&mut chunk).await?;
-        if n == 0 {
-            return Err(io::Error::new(
-                io::ErrorKind::UnexpectedEof,
-                "closed before the response head",
-            ));
-        }
-        buf.extend_from_slice(&chunk[..n]);
+        fill(stream, buf, "closed before the response head").await?;
     }
 }
 
@@ -174,128 +167,33 @@ pub async fn read_response(
     if head.chunked {
         let mut decoder = Dechunk::default();
         loop {
-            let consumed = decoder.feed(buf, |bytes| body.extend_from_slice(bytes));
+            let consumed = decoder
+                .feed(buf, |bytes| body.extend_from_slice(bytes))
+                .map_err(|error| io::Error::new(io::ErrorKind::InvalidData, error))?;
             buf.drain(..consumed);
             if decoder.finished() {
                 return Ok((head.status, body));
             }
-            fill(stream, buf).await?;
+            fill(stream, buf, "closed inside a response").await?;
         }
     }
     let length = head.content_length.unwrap_or(0);
     while buf.len() < length {
-        fill(stream, buf).await?;
+        fill(stream, buf, "closed inside a response").await?;
     }
     body.extend(buf.drain(..length));
     Ok((head.status, body))
 }
 
-async fn fill(stream: &mut TcpStream, buf: &mut Vec<u8>) -> io::Result<()> {
-    let mut chunk = [0u8; 8192];
+/// Appends one read to `buf`; the end of the stream is an error that says where it happened.
+async fn fill(stream: &mut TcpStream, buf: &mut Vec<u8>, eof: &'static str) -> io::Result<()> {
+    let mut chunk = [0u8; 4096];
     let n = stream.read(&mut chunk).await?;
     if n == 0 {
-        return Err(io::Error::new(
-            io::ErrorKind::UnexpectedEof,
-            "closed inside a response",
-        ));
+        return Err(io::Error::new(io::ErrorKind::UnexpectedEof, eof));
     }
     buf.extend_from_slice(&chunk[..n]);
     Ok(())
-}
-
-/// `Transfer-Encoding: chunked` decoder, fed with whatever a read returned.
-#[derive(Debug, Default)]
-pub struct Dechunk {
-    state: ChunkState,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum ChunkState {
-    /// Reading a size line; the digits so far, and whether an extension (`;...`) started.
-    Size {
-        size: usize,
-        extension: bool,
-    },
-    Data(usize),
-    DataEnd,
-    /// After the last chunk: trailer lines up to an empty one.
-    Trailer {
-        line_start: bool,
-    },
-    Finished,
-}
-
-impl Default for ChunkState {
-    fn default() -> Self {
-        ChunkState::Size {
-            size: 0,
-            extension: false,
-        }
-    }
-}
-
-impl Dechunk {
-    /// Passes the body bytes in `input` to `out`; returns how many input bytes were consumed
-    /// (all of them unless the last chunk ended inside `input`).
-    pub fn feed(&mut self, input: &[u8], mut out: impl FnMut(&[u8])) -> usize {
-        let mut at = 0;
-        while at < input.len() {
-            self.state = match self.state {
-                ChunkState::Finished => return at,
-                ChunkState::Data(remaining) => {
-                    let take = remaining.min(input.len() - at);
-                    out(&input[at..at + take]);
-                    at += take;
-                    if take == remaining {
-                        ChunkState::DataEnd
-                    } else {
-                        ChunkState::Data(remaining - take)
-                    }
-                }
-                ChunkState::DataEnd => {
-                    at += 1;
-                    if input[at - 1] == b'\n' {
-                        ChunkState::default()
-                    } else {
-                        ChunkState::DataEnd
-                    }
-                }
-                ChunkState::Trailer { line_start } => {
-                    at += 1;
-                    match input[at - 1] {
-                        b'\n' if line_start => ChunkState::Finished,
-                        b'\n' => ChunkState::Trailer { line_start: true },
-                        b'\r' => ChunkState::Trailer { line_start },
-                        _ => ChunkState::Trailer { line_start: false },
-                    }
-                }
-                ChunkState::Size { size, extension } => {
-                    let byte = input[at];
-                    at += 1;
-                    match (byte, extension) {
-                        (b'\n', _) if size == 0 => ChunkState::Trailer { line_start: true },
-                        (b'\n', _) => ChunkState::Data(size),
-                        (b';', _) | (_, true) => ChunkState::Size {
-                            size,
-                            extension: true,
-                        },
-                        _ => ChunkState::Size {
-                            size: match (byte as char).to_digit(16) {
-                                Some(digit) => size * 16 + digit as usize,
-                                None => size,
-                            },
-                            extension: false,
-                        },
-                    }
-                }
-            };
-        }
-        at
-    }
-
-    pub fn finished(&self) -> bool {
-        self.state == ChunkState::Finished
-    }
 }
 
 /// What one SSE connection saw, besides the deliveries handed to the caller.
@@ -385,16 +283,14 @@ impl SseStream {
             n
         };
         let input = &buf[..n];
-        let mut dechunk = self.dechunk.take();
-        let mut open = true;
-        match dechunk.as_mut() {
-            Some(decoder) => {
-                decoder.feed(input, |bytes| self.parse(bytes, &mut deliver));
-                open = !decoder.finished();
-            }
-            None => self.parse(input, &mut deliver),
-        }
-        self.dechunk = dechunk;
+        let Some(mut decoder) = self.dechunk.take() else {
+            self.parse(input, &mut deliver);
+            return Ok(true);
+        };
+        let fed = decoder.feed(input, |bytes| self.parse(bytes, &mut deliver));
+        let open = !decoder.finished();
+        self.dechunk = Some(decoder);
+        fed.map_err(|error| io::Error::new(io::ErrorKind::InvalidData, error))?;
         Ok(open)
     }
 
@@ -470,34 +366,6 @@ impl SseStream {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn dechunk_handles_sizes_split_across_reads() {
-        let body = b"5\r\nhello\r\n1;ext=1\r\n \r\n6\r\nworld!\r\n0\r\n\r\n";
-        for split in 0..body.len() {
-            let mut decoder = Dechunk::default();
-            let mut out = Vec::new();
-            let first = decoder.feed(&body[..split], |b| out.extend_from_slice(b));
-            assert_eq!(first, split);
-            assert!(!decoder.finished());
-            let rest = decoder.feed(&body[split..], |b| out.extend_from_slice(b));
-            assert_eq!(rest, body.len() - split, "the whole trailer is consumed");
-            assert_eq!(out, b"hello world!", "split at {split}");
-            assert!(decoder.finished());
-        }
-    }
-
-    #[test]
-    fn dechunk_sizes_are_hex() {
-        let mut body = b"1a\r\n".to_vec();
-        body.extend_from_slice(&[b'x'; 26]);
-        body.extend_from_slice(b"\r\n0\r\n\r\n");
-        let mut decoder = Dechunk::default();
-        let mut out = Vec::new();
-        decoder.feed(&body, |b| out.extend_from_slice(b));
-        assert_eq!(out.len(), 26);
-        assert!(decoder.finished());
-    }
 
     #[test]
     fn head_parsing() {
