@@ -190,7 +190,7 @@ pub fn serve(config: Config) -> Result<(), ServeError> {
             config.backend.kind.as_str(),
             config.effective_workers()
         );
-        server.await?;
+        server.stopped().await;
         router_arbiter.stop();
         if hub.drain_was_forced() {
             tail_arbiter.stop();

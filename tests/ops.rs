@@ -416,3 +416,43 @@ async fn admin_drain_exits_zero() {
     assert_eq!(status.code(), Some(0), "exit status {status}");
     assert!(hub.stderr_log().contains("drain finished"));
 }
+
+/// When a drain ends in an exit, the server stops accepting at once but still answers a request
+/// that was in flight: here a publish whose body arrives only after the listening socket closed.
+#[tokio::test]
+async fn the_exit_answers_a_request_in_flight() {
+    use tokio::io::AsyncWriteExt;
+
+    let mut hub = Hub::builder().start().await;
+    let addr = hub.addr();
+    let body = br#"{"device":"pos-late","data":"sent while the server stops"}"#;
+    let mut in_flight = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let head = format!(
+        "POST /v1/events HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\n\r\n",
+        body.len()
+    );
+    in_flight.write_all(head.as_bytes()).await.unwrap();
+    in_flight.write_all(&body[..10]).await.unwrap();
+
+    let drain = http::request(addr, "POST", "/admin/drain", &[], None).await;
+    assert_eq!(drain.status, 202, "{}", drain.text());
+    let deadline = Instant::now() + WAIT;
+    while tokio::net::TcpStream::connect(addr).await.is_ok() {
+        assert!(
+            Instant::now() < deadline,
+            "still accepting connections after the drain"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    in_flight.write_all(&body[10..]).await.unwrap();
+    let mut buf = Vec::new();
+    let response = tokio::time::timeout(WAIT, http::read_head(&mut in_flight, &mut buf))
+        .await
+        .expect("an answer to the request in flight")
+        .expect("a response head, not a reset");
+    assert_eq!(response.status, 201);
+    let status = hub.wait_exit(WAIT).await.expect("the process exits");
+    assert_eq!(status.code(), Some(0), "exit status {status}");
+}

@@ -18,8 +18,8 @@ use std::{
     time::{Duration, Instant},
 };
 
+use crate::http::ServerHandle;
 use actix::prelude::*;
-use actix_web::dev::ServerHandle;
 use rand::Rng;
 use serde::Serialize;
 
@@ -127,7 +127,7 @@ impl Shutdown {
         }
         if let Some(server) = self.server.take() {
             // SSE responses are closed by now; the server only waits for in-flight requests.
-            actix::spawn(async move { server.stop(true).await });
+            server.stop();
         }
     }
 }

@@ -5,12 +5,13 @@ pub mod cors;
 pub mod error;
 pub mod ops;
 pub mod publish;
+pub mod server;
 pub mod sse;
 
-use std::{net::TcpListener, os::fd::AsRawFd, sync::Arc, time::Duration};
+use std::{net::TcpListener, sync::Arc, time::Duration};
 
 use actix::Addr;
-use actix_web::{dev::Server, web, App, HttpRequest, HttpServer};
+use actix_web::{web, HttpRequest};
 use socket2::{Domain, Protocol, Socket, TcpKeepalive, Type};
 
 use crate::{
@@ -23,10 +24,10 @@ use crate::{
     backend::Backend,
     config::Config,
     metrics::Metrics,
-    sse::control::ConnectionSocket,
 };
 
 pub use error::ApiError;
+pub use server::{Server, ServerHandle};
 
 /// Everything a request handler may touch. Cloned into each worker.
 #[derive(Clone)]
@@ -104,31 +105,12 @@ impl actix_web::Responder for ApiError {
     }
 }
 
-/// Builds and binds the HTTP server. Signals are ours (the Shutdown actor), not actix-web's.
+/// Binds the listening socket and starts the HTTP workers. Signals are ours (the Shutdown
+/// actor), not the server's.
 pub fn server(state: AppState) -> std::io::Result<Server> {
     let config = state.config.clone();
     let listener = listener(config.server.listen, config.sse.send_buffer)?;
-    let server = HttpServer::new(move || {
-        App::new()
-            .wrap(cors::CorsHeaders)
-            .configure(configure(state.clone()))
-    })
-    .workers(config.effective_workers())
-    .disable_signals()
-    // SSE responses never finish on their own; the drain has closed them before the server
-    // stops, so waiting longer would only delay the exit.
-    .shutdown_timeout(2)
-    // A client's FIN must end its stream now, not at the next failed write.
-    .h1_allow_half_closed(false)
-    .max_connections(50_000)
-    .on_connect(move |connection, extensions| {
-        if let Some(tcp) = connection.downcast_ref::<actix_web::rt::net::TcpStream>() {
-            extensions.insert(ConnectionSocket(tcp.as_raw_fd()));
-        }
-    })
-    .listen(listener)?
-    .run();
-    Ok(server)
+    Server::start(listener, config.effective_workers(), state)
 }
 
 /// The listening socket, with every option an accepted connection needs: Linux copies them to

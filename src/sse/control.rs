@@ -23,7 +23,7 @@ use std::{
     time::Duration,
 };
 
-/// The fd of a TCP connection, recorded by `HttpServer::on_connect`.
+/// The fd of a TCP connection, recorded by the HTTP service's `on_connect_ext` hook.
 #[derive(Clone, Copy, Debug)]
 pub struct ConnectionSocket(pub RawFd);
 
