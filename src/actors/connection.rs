@@ -5,13 +5,15 @@
 //! Receives (control only): [`Close`] (Router: `SlowConsumer`, `Takeover`; Shutdown: `Drain`),
 //! [`AnnounceRetry`] (Shutdown, when a drain begins), [`BodyDropped`] (the body, when actix drops
 //! it: the client went away).
-//! Sends: [`Register`] when opened and [`Unregister`] on stop to the Router.
-//! Registration: `open` puts `Register` into the Router's mailbox before the HTTP handler answers,
-//! without waiting for a reply. Any event appended to the backend after that moment reaches the
-//! Router behind it (a tail reads it later, and the mailbox is FIFO), so a client that has seen
-//! the first bytes misses nothing, and the stream costs no round trip to the Router's thread.
-//! Resume: after that, replays the backlog after the cursor page by page, then the body switches
-//! to the live queue and skips what was replayed.
+//! Sends: [`Register`] when opened and [`Unregister`] on stop to the Router, through its worker's
+//! membership outbox (`membership.rs`: one Router message per turn of the worker, not per stream).
+//! Registration: `open` returns only when its `Register` is in the Router's mailbox; the HTTP
+//! handler answers after that, without waiting for the Router to handle it. Any event appended to
+//! the backend after that moment reaches the Router behind it (a tail reads it later, and the
+//! mailbox is FIFO), so a client that has seen the first bytes misses nothing, and the stream
+//! costs no round trip to the Router's thread.
+//! Resume: once registered, replays the backlog after the cursor page by page, then the body
+//! switches to the live queue and skips what was replayed.
 //! Backpressure: the Router `try_send`s into the queue; full → `CloseReason::SlowConsumer`, and
 //! the socket is shut at once (see `sse::socket`). Replay pages wait on the replay channel, i.e.
 //! on the client's reading speed, while live events accumulate in the bounded queue.
@@ -20,9 +22,12 @@
 //! Router): the body writes everything already queued, then `retry: ms` again, then ends the
 //! response, and the TCP connection is closed.
 
-use std::sync::{
-    atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering},
-    Arc,
+use std::{
+    rc::Rc,
+    sync::{
+        atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering},
+        Arc,
+    },
 };
 
 use actix::prelude::*;
@@ -32,6 +37,7 @@ use tokio::sync::mpsc;
 
 use super::{
     close_reason::{CloseReason, ResyncReason},
+    membership::{Joined, Membership, Outbox, RouterGone},
     router::{Register, Unregister},
 };
 use crate::{
@@ -144,11 +150,10 @@ impl HubState {
     }
 }
 
-/// The Router's inputs a Connection uses, injected so tests can put a probe in its place.
+/// The Router's input a Connection uses, injected so tests can put a probe in its place.
 #[derive(Clone)]
 pub struct RouterLink {
-    pub register: Recipient<Register>,
-    pub unregister: Recipient<Unregister>,
+    pub membership: Recipient<Membership>,
 }
 
 /// Everything needed to open a stream; the HTTP edge fills it after validating the request.
@@ -162,11 +167,6 @@ pub struct OpenStream {
     /// The TCP socket's fd, when the server recorded it.
     pub socket_fd: Option<std::os::fd::RawFd>,
 }
-
-/// The Router's mailbox is closed: the hub is shutting down.
-#[derive(Debug, Error)]
-#[error("the router is gone")]
-pub struct RouterGone;
 
 #[derive(Debug, Error)]
 enum ResumeError {
@@ -186,8 +186,10 @@ pub struct Connection {
     queue: Option<QueueSender>,
     /// Cursor and replay sender, taken when the actor starts.
     resume: Option<(String, mpsc::Sender<QueueItem>)>,
+    /// Resolves when the Router has our registration queued: the replay must not start earlier.
+    joined: Joined,
     control: Arc<StreamControl>,
-    router: RouterLink,
+    outbox: Rc<Outbox>,
     backend: Arc<dyn Backend>,
     metrics: Arc<Metrics>,
     hub: Arc<HubState>,
@@ -197,9 +199,11 @@ pub struct Connection {
 
 impl Connection {
     /// Starts the actor on the current arbiter, registers it with the Router, and returns the
-    /// response body it feeds plus the actor's control handle. The caller has taken a connection
-    /// slot with [`HubState::try_acquire_connection`]; the actor returns it when it stops.
-    pub fn open(
+    /// response body it feeds plus the actor's control handle once the registration is in the
+    /// Router's mailbox. The caller has taken a connection slot with
+    /// [`HubState::try_acquire_connection`]; the actor returns it when it stops. Runs on an HTTP
+    /// worker (the registration goes through the worker's outbox).
+    pub async fn open(
         stream: OpenStream,
         router: RouterLink,
         backend: Arc<dyn Backend>,
@@ -216,46 +220,45 @@ impl Connection {
         };
         let control = Arc::new(StreamControl::new(stream.socket_fd));
         let id = hub.next_id();
-        let register = router.register.clone();
-        let connection = Connection {
-            id,
+        // The registration names the actor's address, and the actor needs the registration's
+        // ticket: take the address from a context that runs the actor afterwards.
+        let context = Context::new();
+        let address = context.address();
+        let outbox = Outbox::of_this_thread(&router.membership);
+        let joined = outbox.join(Register {
             device: stream.device.clone(),
             shard: stream.shard,
-            queue: Some(queue.clone()),
-            resume,
-            control: control.clone(),
-            router,
-            backend,
-            metrics: metrics.clone(),
-            hub,
-            closing: None,
-        };
-        let hub_for_body = connection.hub.clone();
-        let address = connection.start();
-        let body = SseBody::new(
-            frame::prelude(stream.retry_ms),
-            replay,
-            live,
-            control,
-            address.clone().recipient(),
-            metrics,
-            hub_for_body,
-        );
-        if !register.connected() {
-            return Err(RouterGone);
-        }
-        // `do_send` queues at once, even beyond the mailbox capacity: the order of the mailbox is
-        // what makes the registration count from now (see the module doc).
-        register.do_send(Register {
-            device: stream.device,
-            shard: stream.shard,
             connection_id: id,
-            queue,
+            queue: queue.clone(),
             control: DrainTarget {
                 announce: address.clone().recipient(),
                 close: address.clone().recipient(),
             },
+        })?;
+        let body = SseBody::new(
+            frame::prelude(stream.retry_ms),
+            replay,
+            live,
+            control.clone(),
+            address.clone().recipient(),
+            metrics.clone(),
+            hub.clone(),
+        );
+        context.run(Connection {
+            id,
+            device: stream.device,
+            shard: stream.shard,
+            queue: Some(queue),
+            resume,
+            joined: joined.clone(),
+            control,
+            outbox,
+            backend,
+            metrics,
+            hub,
+            closing: None,
         });
+        joined.wait().await;
         Ok((body, address.recipient()))
     }
 
@@ -276,16 +279,19 @@ impl Actor for Connection {
         let Some((cursor, replay)) = self.resume.take() else {
             return;
         };
-        let (backend, device, shard, metrics) = (
+        let (backend, device, shard, metrics, joined) = (
             self.backend.clone(),
             self.device.clone(),
             self.shard,
             self.metrics.clone(),
+            self.joined.clone(),
         );
-        // `open` has queued the registration ahead of anything appended from now on, so what
-        // this replay does not find, the Router delivers live (and the floor drops doubles).
-        let replay =
-            async move { replay_after(&*backend, &device, shard, &cursor, replay, &metrics).await };
+        // Once the registration is queued ahead of anything appended from then on, what this
+        // replay does not find, the Router delivers live (and the floor drops doubles).
+        let replay = async move {
+            joined.wait().await;
+            replay_after(&*backend, &device, shard, &cursor, replay, &metrics).await
+        };
         ctx.spawn(
             replay
                 .into_actor(self)
@@ -305,7 +311,7 @@ impl Actor for Connection {
     }
 
     fn stopped(&mut self, _: &mut Context<Self>) {
-        self.router.unregister.do_send(Unregister {
+        self.outbox.leave(Unregister {
             device: self.device.clone(),
             shard: self.shard,
             connection_id: self.id,

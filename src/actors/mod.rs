@@ -3,6 +3,7 @@
 
 pub mod close_reason;
 pub mod connection;
+pub mod membership;
 pub mod rotation;
 pub mod router;
 pub mod shutdown;

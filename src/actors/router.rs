@@ -2,7 +2,8 @@
 //!
 //! Owns: one map per shard from device to its connection's queue sender (the same queue its SSE
 //! body drains), plus the rotation that schedules heartbeats and stall checks.
-//! Receives: [`Register`] / [`Unregister`] from Connections; [`RouteBatch`] from StreamTails (its
+//! Receives: [`Membership`] (joins and leaves of streams, batched per HTTP worker: see
+//! `membership.rs`); [`RouteBatch`] from StreamTails (its
 //! bounded mailbox is the tails' backpressure); [`Snapshot`] from Shutdown and the
 //! status page.
 //! Sends: events and pings by `try_send` into connection queues (never a wait, never a mailbox);
@@ -29,6 +30,7 @@ use bytes::Bytes;
 use super::{
     close_reason::CloseReason,
     connection::{Close, DrainTarget},
+    membership::{Change, Membership},
     rotation::{Member, Rotation},
 };
 use crate::{
@@ -60,8 +62,7 @@ pub struct RouteBatch {
     pub resyncs: Vec<RoutedEvent>,
 }
 
-#[derive(Message)]
-#[rtype(result = "()")]
+/// A stream joins: from now on its device's events go into `queue`.
 pub struct Register {
     pub device: DeviceId,
     pub shard: u32,
@@ -70,8 +71,7 @@ pub struct Register {
     pub control: DrainTarget,
 }
 
-#[derive(Message)]
-#[rtype(result = "()")]
+/// A stream has ended; its route goes unless a newer stream of the device took it over.
 pub struct Unregister {
     pub device: DeviceId,
     pub shard: u32,
@@ -286,10 +286,21 @@ impl Handler<RouteBatch> for Router {
     }
 }
 
-impl Handler<Register> for Router {
+impl Handler<Membership> for Router {
     type Result = ();
 
-    fn handle(&mut self, register: Register, _: &mut Context<Self>) {
+    fn handle(&mut self, Membership(changes): Membership, _: &mut Context<Self>) {
+        for change in changes {
+            match change {
+                Change::Join(register) => self.join(register),
+                Change::Leave(unregister) => self.leave(unregister),
+            }
+        }
+    }
+}
+
+impl Router {
+    fn join(&mut self, register: Register) {
         self.rotation.join(Member {
             shard: register.shard,
             device: register.device.clone(),
@@ -308,12 +319,8 @@ impl Handler<Register> for Router {
                 .do_send(Close::now(CloseReason::Takeover));
         }
     }
-}
 
-impl Handler<Unregister> for Router {
-    type Result = ();
-
-    fn handle(&mut self, unregister: Unregister, _: &mut Context<Self>) {
+    fn leave(&mut self, unregister: Unregister) {
         let routes = &self.shards[unregister.shard as usize];
         // A connection replaced by a takeover must not remove its successor.
         if routes

@@ -46,8 +46,7 @@ pub struct AppState {
 impl AppState {
     pub fn router_link(&self) -> RouterLink {
         RouterLink {
-            register: self.router.clone().recipient(),
-            unregister: self.router.clone().recipient(),
+            membership: self.router.clone().recipient(),
         }
     }
 }

@@ -47,8 +47,8 @@ pub async fn stream(
         .or_else(|| query.into_inner().last_event_id)
         .filter(|cursor| !cursor.is_empty());
     let shard = shard_of(device.as_str(), state.backend.shards());
-    // `open` queues the registration with the Router before we answer, so a client that has
-    // seen the first bytes cannot miss an event published after them.
+    // `open` returns once the registration is in the Router's mailbox, so a client that has seen
+    // the first bytes cannot miss an event published after them.
     let (body, control) = Connection::open(
         OpenStream {
             device,
@@ -65,6 +65,7 @@ pub async fn stream(
         state.metrics.clone(),
         state.hub.clone(),
     )
+    .await
     .map_err(|_| ApiError::BackendUnavailable("the hub could not register the stream".into()))?;
     // A drain that started while we registered may have taken its list of connections before us:
     // refuse instead of leaving an open stream the drain does not know about.
