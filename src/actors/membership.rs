@@ -2,8 +2,9 @@
 //! worker thread, sent as one [`Membership`] message per turn of the worker's event loop.
 //!
 //! Why: a message to the Router wakes its thread when it sleeps, and while streams are opened
-//! one by one, it nearly always sleeps. One message per stream cost about 6 µs of CPU per
-//! accepted connection, a sixth of the whole (docs/BENCHMARKS.md, "Registrations in batches").
+//! one by one, it nearly always sleeps. One message per stream cost about 6 of the 43 µs of CPU
+//! per accepted connection (docs/BENCHMARKS.md, "Connection acceptance: accept loops in the
+//! workers, registrations in batches").
 //! Streams accepted in the same turn now share one message and one wake-up.
 //!
 //! Order: a join is in the Router's mailbox before [`Joined::wait`] returns, and the HTTP handler

@@ -2,10 +2,11 @@
 //!
 //! Why not actix-web's `HttpServer`: its actix-server runs a separate accept thread that hands
 //! each accepted socket to a worker through a channel and wakes it. On a reconnect storm that is
-//! a thread switch or two per connection on top of the work itself (docs/BENCHMARKS.md, "Accept
-//! loops in the workers"). Here each worker is an arbiter whose event loop polls the shared
-//! listener, like nginx's workers: whichever worker is idle takes the next connection, and the
-//! connection is served on the thread that accepted it.
+//! a thread switch or two per connection on top of the work itself (docs/BENCHMARKS.md,
+//! "Connection acceptance: accept loops in the workers, registrations in batches"). Here each
+//! worker is an arbiter whose event loop polls the shared listener, like nginx's workers:
+//! whichever worker is idle takes the next connection, and the connection is served on the
+//! thread that accepted it.
 //!
 //! Stop: [`ServerHandle::stop`] ends the accept loops (the socket closes when the last loop has
 //! dropped it), tells the open connections' dispatchers to finish (idle keep-alive connections
@@ -32,7 +33,7 @@ use crate::sse::control::ConnectionSocket;
 
 /// How long a stop waits for requests in flight. SSE responses never finish on their own; the
 /// drain has closed them before the server stops, so waiting longer would only delay the exit.
-pub const STOP_TIMEOUT: Duration = Duration::from_secs(2);
+const STOP_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Pause after a failed accept (out of file descriptors, most likely): retrying at once would
 /// spin on the same error while the listen queue waits either way.
