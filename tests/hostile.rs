@@ -110,3 +110,78 @@ async fn invalid_utf8_entries_are_skipped() {
     let scrape = metrics::scrape(hub.addr()).await;
     assert_eq!(scrape.value("tail_entries_skipped_total", &[]), Some(2.0));
 }
+
+/// Out of file descriptors, the hub cannot accept: new connections wait in the listen queue
+/// instead of failing, the open streams keep working, and once streams close and free
+/// descriptors, the waiting connection is accepted and becomes a working stream.
+#[tokio::test]
+async fn out_of_file_descriptors_new_connections_wait_until_some_are_free() {
+    const OPEN_FILES: u64 = 64;
+    let hub = Hub::builder().open_files_limit(OPEN_FILES).start().await;
+    let mut streams = Vec::new();
+    let (mut waiting, mut head) = loop {
+        assert!(
+            (streams.len() as u64) < OPEN_FILES,
+            "{} streams opened under a limit of {OPEN_FILES} open files",
+            streams.len()
+        );
+        let mut stream = TcpStream::connect(hub.addr()).await.unwrap();
+        let path = format!("/v1/devices/pos-{}/events", streams.len());
+        stream
+            .write_all(&http::encode_request(hub.addr(), "GET", &path, &[], None))
+            .await
+            .unwrap();
+        let mut buf = Vec::new();
+        match tokio::time::timeout(
+            Duration::from_secs(1),
+            http::read_head(&mut stream, &mut buf),
+        )
+        .await
+        {
+            Ok(head) => {
+                assert_eq!(head.unwrap().status, 200);
+                streams.push(stream);
+            }
+            // Not accepted: the hub has no descriptor left for it.
+            Err(_) => break (stream, buf),
+        }
+    };
+    assert!(
+        streams.len() > 5,
+        "only {} streams before the limit",
+        streams.len()
+    );
+    assert!(
+        hub.wait_for_log("cannot accept a connection", WAIT).await,
+        "the hub says why it does not accept"
+    );
+    // Closing some streams frees their descriptors; the waiting connection gets its answer.
+    streams.truncate(streams.len() - 5);
+    let response = tokio::time::timeout(WAIT, http::read_head(&mut waiting, &mut head))
+        .await
+        .expect("the waiting connection is accepted once descriptors are free")
+        .unwrap();
+    assert_eq!(response.status, 200);
+    let device = format!("pos-{}", streams.len() + 5);
+    let published = http::post_json(
+        hub.addr(),
+        "/v1/events",
+        &json!({ "device": device, "data": "after the shortage" }),
+    )
+    .await;
+    assert_eq!(published.status, 201);
+    let mut received = Vec::new();
+    let mut chunk = [0u8; 4096];
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while !String::from_utf8_lossy(&received).contains("after the shortage") {
+        let n = tokio::time::timeout_at(
+            deadline,
+            tokio::io::AsyncReadExt::read(&mut waiting, &mut chunk),
+        )
+        .await
+        .expect("the event reaches the stream accepted late")
+        .unwrap();
+        assert!(n > 0, "the stream ended");
+        received.extend_from_slice(&chunk[..n]);
+    }
+}

@@ -5,6 +5,7 @@
 use std::ffi::{OsStr, OsString};
 use std::fs::File;
 use std::net::{Ipv4Addr, SocketAddr};
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -46,6 +47,7 @@ pub struct HubBuilder {
     args: Vec<OsString>,
     port: Option<u16>,
     ready_timeout: Duration,
+    open_files_limit: Option<u64>,
 }
 
 impl HubBuilder {
@@ -77,6 +79,13 @@ impl HubBuilder {
 
     pub fn ready_timeout(mut self, timeout: Duration) -> Self {
         self.ready_timeout = timeout;
+        self
+    }
+
+    /// Hard and soft limit of open files for the hub process (it raises its soft limit to the
+    /// hard one itself), to run it out of file descriptors on purpose.
+    pub fn open_files_limit(mut self, limit: u64) -> Self {
+        self.open_files_limit = Some(limit);
         self
     }
 
@@ -154,6 +163,22 @@ impl HubBuilder {
             cmd.env("RUST_LOG", "info");
         }
         cmd.envs(self.envs.iter().map(|(k, v)| (k, v)));
+        if let Some(limit) = self.open_files_limit {
+            let limit = libc::rlimit {
+                rlim_cur: limit,
+                rlim_max: limit,
+            };
+            // SAFETY: only `setrlimit`, which is async-signal-safe, runs between fork and exec.
+            unsafe {
+                cmd.pre_exec(move || {
+                    if libc::setrlimit(libc::RLIMIT_NOFILE, &limit) == 0 {
+                        Ok(())
+                    } else {
+                        Err(std::io::Error::last_os_error())
+                    }
+                });
+            }
+        }
 
         let child = cmd.spawn().unwrap_or_else(|e| panic!("spawn {BIN}: {e}"));
         Hub {
@@ -196,6 +221,7 @@ impl Hub {
             args: Vec::new(),
             port: None,
             ready_timeout: READY_TIMEOUT,
+            open_files_limit: None,
         }
     }
 
