@@ -225,16 +225,21 @@ impl Connection {
         let context = Context::new();
         let address = context.address();
         let outbox = Outbox::of_this_thread(&router.membership);
-        let joined = outbox.join(Register {
-            device: stream.device.clone(),
-            shard: stream.shard,
-            connection_id: id,
-            queue: queue.clone(),
-            control: DrainTarget {
-                announce: address.clone().recipient(),
-                close: address.clone().recipient(),
-            },
-        })?;
+        let joined = outbox
+            .join(Register {
+                device: stream.device.clone(),
+                shard: stream.shard,
+                connection_id: id,
+                queue: queue.clone(),
+                control: DrainTarget {
+                    announce: address.clone().recipient(),
+                    close: address.clone().recipient(),
+                },
+            })
+            .inspect_err(|_| {
+                // No actor will run to give the caller's slot back.
+                hub.release_connection();
+            })?;
         let body = SseBody::new(
             frame::prelude(stream.retry_ms),
             replay,

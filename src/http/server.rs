@@ -35,7 +35,7 @@ use crate::sse::control::ConnectionSocket;
 /// drain has closed them before the server stops, so waiting longer would only delay the exit.
 const STOP_TIMEOUT: Duration = Duration::from_secs(2);
 
-/// Pause after a failed accept (out of file descriptors, most likely): retrying at once would
+/// Pause after an accept failed for want of file descriptors or memory: retrying at once would
 /// spin on the same error while the listen queue waits either way.
 const ACCEPT_ERROR_PAUSE: Duration = Duration::from_millis(500);
 
@@ -107,9 +107,8 @@ async fn serve(
     mut stop_requested: watch::Receiver<bool>,
 ) -> io::Result<()> {
     let listener = actix_rt::net::TcpListener::from_std(listener)?;
-    let finish = Rc::new(Notify::new());
     let service = Rc::new(
-        http_service(state, address, finish.clone())
+        http_service(state, address, stop_requested.clone())
             .new_service(())
             .await
             .map_err(|()| io::Error::other("cannot build the HTTP service"))?,
@@ -132,22 +131,39 @@ async fn serve(
                     drop(guard);
                 });
             }
+            // A connection that failed before we took it (reset, aborted) concerns its client only.
+            Err(error) if !is_resource_shortage(&error) => {
+                log::debug!("a connection failed before it was accepted: {error}");
+            }
             Err(error) => {
                 log::error!("cannot accept a connection: {error}");
-                actix_rt::time::sleep(ACCEPT_ERROR_PAUSE).await;
+                tokio::select! {
+                    _ = stop_requested.wait_for(|stop| *stop) => break,
+                    () = actix_rt::time::sleep(ACCEPT_ERROR_PAUSE) => {}
+                }
             }
         }
     }
     drop(listener);
-    finish.notify_waiters();
     let _ = actix_rt::time::timeout(STOP_TIMEOUT, open.all_closed()).await;
     Ok(())
 }
 
+/// Out of descriptors or memory: accepting again at once would fail the same way.
+fn is_resource_shortage(error: &io::Error) -> bool {
+    matches!(
+        error.raw_os_error(),
+        Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM)
+    )
+}
+
+/// The HTTP service of one worker. Its dispatchers finish (an idle keep-alive connection closes,
+/// a request in flight is answered first) once `stop_requested` turns true; a `watch` because a
+/// connection accepted just before the stop must still see it when its dispatcher first looks.
 fn http_service(
     state: AppState,
     address: SocketAddr,
-    finish: Rc<Notify>,
+    stop_requested: watch::Receiver<bool>,
 ) -> impl ServiceFactory<
     (TcpStream, Protocol, Option<SocketAddr>),
     Config = (),
@@ -169,8 +185,11 @@ fn http_service(
         .h1_allow_half_closed(false)
         .local_addr(address)
         .graceful_shutdown_signal(move || {
-            let finish = finish.clone();
-            async move { finish.notified().await }
+            let mut stop_requested = stop_requested.clone();
+            async move {
+                // An error means the server is gone, which is a stop too.
+                let _ = stop_requested.wait_for(|stop| *stop).await;
+            }
         })
         .on_connect_ext(|stream: &TcpStream, extensions| {
             extensions.insert(ConnectionSocket(stream.as_raw_fd()));
