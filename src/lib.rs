@@ -11,6 +11,7 @@
 //! - [`hub`]: wiring and the `serve` entry point.
 //! - [`cli`]: the subcommands of the `posthorn` binary.
 //! - [`loadtest`]: the load tester (`posthorn loadtest`).
+//! - [`stop`]: the stop signal shared by long-running loops.
 
 pub mod actors;
 pub mod backend;
@@ -23,3 +24,4 @@ pub mod loadtest;
 pub mod metrics;
 pub mod model;
 pub mod sse;
+pub mod stop;

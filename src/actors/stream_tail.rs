@@ -32,6 +32,7 @@ use crate::{
     metrics::Metrics,
     model::Cursor,
     sse::frame,
+    stop::sleep_or_stop,
 };
 
 const TRIM_EVERY_MAX: Duration = Duration::from_secs(30);
@@ -369,14 +370,6 @@ fn now_ms() -> u64 {
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_millis() as u64)
         .unwrap_or(0)
-}
-
-/// Sleeps unless stopped first; true when stopped.
-async fn sleep_or_stop(delay: Duration, stop: &mut watch::Receiver<bool>) -> bool {
-    tokio::select! {
-        _ = stop.wait_for(|stopped| *stopped) => true,
-        _ = tokio::time::sleep(delay) => false,
-    }
 }
 
 #[cfg(test)]

@@ -29,7 +29,7 @@ use actix_web::{dev::AppConfig, App};
 use tokio::sync::{mpsc, watch, Notify};
 
 use super::{configure, cors, AppState};
-use crate::sse::control::ConnectionSocket;
+use crate::{sse::control::ConnectionSocket, stop::sleep_or_stop};
 
 /// How long a stop waits for requests in flight. SSE responses never finish on their own; the
 /// drain has closed them before the server stops, so waiting longer would only delay the exit.
@@ -137,9 +137,8 @@ async fn serve(
             }
             Err(error) => {
                 log::error!("cannot accept a connection: {error}");
-                tokio::select! {
-                    _ = stop_requested.wait_for(|stop| *stop) => break,
-                    () = actix_rt::time::sleep(ACCEPT_ERROR_PAUSE) => {}
+                if sleep_or_stop(ACCEPT_ERROR_PAUSE, &mut stop_requested).await {
+                    break;
                 }
             }
         }
