@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Turns scripts/bench/compare's results.jsonl into a markdown summary with posthorn/nchan ratios."""
+"""Turns scripts/bench/compare's results.jsonl into a markdown summary with posthorn/nchan ratios,
+and posthorn/floor ratios where the bare floor server (benches/sse_floor.rs) was measured."""
 import json
 import sys
 
@@ -33,10 +34,11 @@ def main(path):
     rows = []
 
     def row(name, label, pick, digits=0, better="higher"):
-        p, n = get(label, "posthorn"), get(label, "nchan")
+        p, n, f = get(label, "posthorn"), get(label, "nchan"), get(label, "floor")
         pv = pick(p) if p else None
         nv = pick(n) if n else None
-        rows.append((name, num(pv, digits), num(nv, digits), ratio(pv, nv), better))
+        fv = pick(f) if f else None
+        rows.append((name, num(pv, digits), num(nv, digits), ratio(pv, nv), num(fv, digits), ratio(pv, fv), better))
 
     row("bytes per idle connection (PSS)", "idle", lambda r: r["bytes_per_connection"], better="lower")
     row("connections accepted/s while opening (500 in flight)", "idle", lambda r: r["connects_per_second"])
@@ -66,10 +68,10 @@ def main(path):
         lambda r: (r["memory_peak"]["rss_kib"] - r["memory_before"]["rss_kib"]) if r.get("memory_peak") and r.get("memory_before") else None,
         0, "lower")
 
-    print("| measurement | posthorn | nchan | posthorn/nchan | better |")
-    print("|---|---:|---:|---:|---|")
-    for name, p, n, r, better in rows:
-        print(f"| {name} | {p} | {n} | {r} | {better} |")
+    print("| measurement | posthorn | nchan | posthorn/nchan | floor | posthorn/floor | better |")
+    print("|---|---:|---:|---:|---:|---:|---|")
+    for name, p, n, r, f, rf, better in rows:
+        print(f"| {name} | {p} | {n} | {r} | {f} | {rf} | {better} |")
 
     extra = []
     for label in ("redis-redis-1000", "redis-http-1000", "nats-http-1000",
