@@ -12,9 +12,13 @@ FROM rust:1-bookworm AS build
 WORKDIR /src
 
 # Dependencies first, against placeholder sources, so that editing src/ does not rebuild them.
+# vendor/: the patched actix-http (vendor/actix-http/POSTHORN-PATCH.md). The manifest names
+# a bench target, so it needs a placeholder too; the image does not build it.
 COPY Cargo.toml Cargo.lock ./
-RUN mkdir src \
+COPY vendor ./vendor
+RUN mkdir src benches \
     && echo 'fn main() {}' > src/main.rs \
+    && echo 'fn main() {}' > benches/sse_floor.rs \
     && touch src/lib.rs \
     && cargo build --release --locked \
     && rm -rf src
