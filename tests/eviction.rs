@@ -222,9 +222,9 @@ async fn evicted_connections_release_their_memory() {
         .await;
         rss.push(hub.rss_bytes());
     }
-    // The first rounds grow the allocator's working set (freed memory is kept for reuse, in glibc
-    // per thread arena), so later rounds may still add some tens of MB without any leak; a leak
-    // of the evicted queues would add over 300 MB here.
+    // The first rounds grow the allocator's working set (freed memory is kept for reuse, and
+    // jemalloc returns unused pages only after its decay time), so later rounds may still add
+    // some tens of MB without any leak; a leak of the evicted queues would add over 300 MB here.
     let growth = rss[ROUNDS - 1].saturating_sub(rss[ROUNDS - 5]);
     assert!(
         growth < 120 * 1024 * 1024,
