@@ -1,8 +1,9 @@
 //! The floor of a broadcast on this machine: the least work any SSE server can do per delivery.
 //!
 //! Not posthorn. A deliberately bare event server that speaks the part of nchan's protocol the
-//! load tool uses (`GET /sub/{device}` opens an event stream, `POST /pub/broadcast` or
-//! `POST /pub/{device}` publishes the body as one `data:` event), so that
+//! load tool uses (`GET /sub/{device}` opens an event stream, `POST /pub/broadcast` publishes the
+//! body as one `data:` event to all; `POST /pub/{device}` to that device only, but by walking
+//! every subscriber: this is a broadcast floor, not a unicast one), so that
 //! `posthorn loadtest fanout --peer nchan` can measure it exactly like nchan and posthorn. Each
 //! of its threads owns an epoll instance and a `SO_REUSEPORT` listener, accepts and answers on
 //! that thread, and delivers an event with one `send` per subscriber in a tight loop: no tasks,
@@ -29,7 +30,7 @@ use std::{
     thread,
 };
 
-/// Largest request head or body accepted.
+/// Largest request (head and body) accepted.
 const MAX_REQUEST: usize = 64 * 1024;
 /// A subscriber this far behind is closed.
 const MAX_BEHIND: usize = 1024 * 1024;
@@ -40,6 +41,14 @@ Cache-Control: no-cache\r\nConnection: close\r\n\r\n";
 const CREATED: &[u8] = b"HTTP/1.1 201 Created\r\nContent-Length: 0\r\n\r\n";
 
 fn main() {
+    // `cargo test --all-targets` runs every bench target once, without arguments, where `cargo
+    // bench` passes `--bench`: a server that never ends must not hold up the test suite.
+    if std::env::args().len() == 1 {
+        eprintln!(
+            "sse_floor: a benchmark server; run `cargo bench --bench sse_floor` (see its doc)"
+        );
+        return;
+    }
     let (listen, threads) = match parse_args(std::env::args().skip(1)) {
         Ok(parsed) => parsed,
         Err(message) => {
@@ -86,24 +95,28 @@ fn parse_args(mut args: impl Iterator<Item = String>) -> Result<(SocketAddr, usi
 
 fn run(listen: SocketAddr, threads: usize) -> io::Result<()> {
     let mut inboxes = Vec::new();
-    let mut wakers = Vec::new();
-    let mut workers = Vec::new();
+    let mut peers = Vec::new();
     for _ in 0..threads {
         let (sender, receiver) = mpsc::channel::<Published>();
         inboxes.push(receiver);
-        wakers.push((sender, Arc::new(event_fd()?)));
+        peers.push((sender, event_fd()?));
     }
-    let peers: Arc<Vec<(mpsc::Sender<Published>, Arc<OwnedFd>)>> = Arc::new(wakers);
+    let peers: Peers = Arc::new(peers);
+    let mut workers = Vec::new();
     for (index, inbox) in inboxes.into_iter().enumerate() {
         let listener = reuse_port_listener(listen)?;
         let peers = peers.clone();
         workers.push(thread::spawn(move || {
-            Worker::new(index, listener, inbox, peers)?.run()
+            if let Err(error) = Worker::new(index, listener, inbox, peers).and_then(Worker::run) {
+                // A thread that died would leave its share of the clients silently unserved.
+                eprintln!("sse_floor: thread {index}: {error}");
+                std::process::exit(1);
+            }
         }));
     }
     eprintln!("sse_floor: listening on {listen} with {threads} threads");
     for worker in workers {
-        worker.join().expect("a worker panicked")?;
+        worker.join().expect("a worker panicked");
     }
     Ok(())
 }
@@ -111,22 +124,33 @@ fn run(listen: SocketAddr, threads: usize) -> io::Result<()> {
 /// An event handed to another thread: the channel (`None` for broadcast) and its frame.
 type Published = (Option<String>, Arc<[u8]>);
 
+/// Every thread's inbox and the eventfd that wakes it, by thread index.
+type Peers = Arc<Vec<(mpsc::Sender<Published>, OwnedFd)>>;
+
 struct Connection {
     stream: TcpStream,
     input: Vec<u8>,
     /// Bytes of a subscriber's stream the socket did not take yet.
     behind: Vec<u8>,
-    subscribed: Option<String>,
+    subscription: Option<Subscription>,
+}
+
+struct Subscription {
+    channel: String,
+    /// Where the connection is in `Worker::subscribers`.
+    slot: usize,
 }
 
 struct Worker {
     index: usize,
     epoll: OwnedFd,
     listener: TcpListener,
+    /// False while accepting is paused for want of descriptors or memory.
+    accepting: bool,
     inbox: mpsc::Receiver<Published>,
-    peers: Arc<Vec<(mpsc::Sender<Published>, Arc<OwnedFd>)>>,
+    peers: Peers,
     connections: HashMap<u64, Connection>,
-    /// Subscribers in the order they came, so a broadcast walks a dense list.
+    /// Subscribers in a dense list, so a broadcast walks an array.
     subscribers: Vec<u64>,
     next_id: u64,
 }
@@ -136,7 +160,7 @@ impl Worker {
         index: usize,
         listener: TcpListener,
         inbox: mpsc::Receiver<Published>,
-        peers: Arc<Vec<(mpsc::Sender<Published>, Arc<OwnedFd>)>>,
+        peers: Peers,
     ) -> io::Result<Self> {
         // SAFETY: plain syscall; the result is checked.
         let epoll = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
@@ -150,6 +174,7 @@ impl Worker {
             index,
             epoll,
             listener,
+            accepting: true,
             inbox,
             peers,
             connections: HashMap::new(),
@@ -224,14 +249,28 @@ impl Worker {
                                 stream,
                                 input: Vec::new(),
                                 behind: Vec::new(),
-                                subscribed: None,
+                                subscription: None,
                             },
                         );
                     }
                 }
                 Err(error) if error.kind() == io::ErrorKind::WouldBlock => return,
-                // Out of descriptors or a connection reset before it was taken: try later.
-                Err(_) => return,
+                Err(error)
+                    if matches!(
+                        error.raw_os_error(),
+                        Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM)
+                    ) =>
+                {
+                    // The listener is level-triggered and would wake us again at once: stop
+                    // watching it until a connection closes.
+                    let fd = self.listener.as_raw_fd();
+                    if self.control(libc::EPOLL_CTL_DEL, fd, LISTENER, 0).is_ok() {
+                        self.accepting = false;
+                    }
+                    return;
+                }
+                // Reset or aborted before we took it: the next one.
+                Err(_) => {}
             }
         }
     }
@@ -252,34 +291,43 @@ impl Worker {
     }
 
     fn readable(&mut self, id: u64) {
-        let Some(connection) = self.connections.get_mut(&id) else {
-            return;
-        };
         let mut buf = [0u8; 16 * 1024];
-        let closed = loop {
+        loop {
+            let Some(connection) = self.connections.get_mut(&id) else {
+                return;
+            };
             match connection.stream.read(&mut buf) {
-                Ok(0) => break true,
+                Ok(0) => break,
+                // A subscriber sends nothing after its request.
+                Ok(_) if connection.subscription.is_some() => {}
                 Ok(n) => {
-                    // A subscriber sends nothing after its request.
-                    if connection.subscribed.is_none() {
-                        connection.input.extend_from_slice(&buf[..n]);
+                    connection.input.extend_from_slice(&buf[..n]);
+                    // Served after every read, so that a pipelined batch is bounded by one
+                    // request, not by the whole batch.
+                    if !self.serve_requests(id) {
+                        return;
                     }
                 }
-                Err(error) if error.kind() == io::ErrorKind::WouldBlock => break false,
-                Err(_) => break true,
+                Err(error) if error.kind() == io::ErrorKind::WouldBlock => return,
+                Err(error) if error.kind() == io::ErrorKind::Interrupted => {}
+                Err(_) => break,
             }
-        };
-        if closed || connection.input.len() > MAX_REQUEST + MAX_REQUEST {
-            self.close(id);
-            return;
         }
+        self.close(id);
+    }
+
+    /// Answers every complete request buffered on `id`; false when the connection was closed.
+    fn serve_requests(&mut self, id: u64) -> bool {
         while let Some(request) = self.next_request(id) {
-            match request {
+            let answered = match request {
                 Request::Subscribe(channel) => {
                     let connection = self.connections.get_mut(&id).expect("present");
-                    connection.subscribed = Some(channel);
+                    connection.subscription = Some(Subscription {
+                        channel,
+                        slot: self.subscribers.len(),
+                    });
                     self.subscribers.push(id);
-                    self.write(id, STREAM_HEAD);
+                    self.send(id, STREAM_HEAD)
                 }
                 Request::Publish(channel, data) => {
                     let mut frame = Vec::with_capacity(data.len() + 8);
@@ -296,25 +344,31 @@ impl Worker {
                         }
                     }
                     self.deliver(channel.as_deref(), &frame);
-                    self.write(id, CREATED);
+                    self.send(id, CREATED)
                 }
                 Request::Bad => {
-                    self.write(id, b"HTTP/1.1 400 Bad Request\r\nConnection: close\r\n\r\n");
+                    self.send(id, b"HTTP/1.1 400 Bad Request\r\nConnection: close\r\n\r\n");
                     self.close(id);
-                    return;
+                    return false;
                 }
+            };
+            if !answered {
+                return false;
             }
         }
+        true
     }
 
     /// The next complete request buffered on `id`, removed from its input.
     fn next_request(&mut self, id: u64) -> Option<Request> {
         let connection = self.connections.get_mut(&id)?;
-        if connection.subscribed.is_some() {
+        if connection.subscription.is_some() {
             return None;
         }
         let input = &connection.input;
-        let end = input.windows(4).position(|w| w == b"\r\n\r\n")?;
+        let Some(end) = input.windows(4).position(|w| w == b"\r\n\r\n") else {
+            return (input.len() > MAX_REQUEST).then_some(Request::Bad);
+        };
         let Ok(head) = std::str::from_utf8(&input[..end]) else {
             return Some(Request::Bad);
         };
@@ -326,10 +380,10 @@ impl Worker {
             .find(|(name, _)| name.eq_ignore_ascii_case("content-length"))
             .and_then(|(_, value)| value.trim().parse().ok())
             .unwrap_or(0);
-        if length > MAX_REQUEST {
+        let body_start = end + 4;
+        if body_start + length > MAX_REQUEST {
             return Some(Request::Bad);
         }
-        let body_start = end + 4;
         if input.len() < body_start + length {
             return None;
         }
@@ -350,15 +404,14 @@ impl Worker {
     /// One `send` per subscriber of `channel` (every subscriber for a broadcast).
     fn deliver(&mut self, channel: Option<&str>, frame: &[u8]) {
         let mut gone = Vec::new();
-        for &id in &self.subscribers {
-            let connection = self
-                .connections
-                .get_mut(&id)
-                .expect("subscribers are present");
-            if channel.is_some_and(|channel| connection.subscribed.as_deref() != Some(channel)) {
+        for slot in 0..self.subscribers.len() {
+            let id = self.subscribers[slot];
+            let connection = &self.connections[&id];
+            let subscription = connection.subscription.as_ref().expect("a subscriber");
+            if channel.is_some_and(|channel| subscription.channel != channel) {
                 continue;
             }
-            if !push(connection, frame) {
+            if !self.write(id, frame) {
                 gone.push(id);
             }
         }
@@ -367,20 +420,30 @@ impl Worker {
         }
     }
 
-    fn write(&mut self, id: u64, bytes: &[u8]) {
+    /// Sends `bytes` to `id`, or closes it when it cannot take them.
+    fn send(&mut self, id: u64, bytes: &[u8]) -> bool {
+        let sent = self.write(id, bytes);
+        if !sent {
+            self.close(id);
+        }
+        sent
+    }
+
+    /// Writes what the socket takes and watches for room when some is left; false when the
+    /// connection is to be closed.
+    fn write(&mut self, id: u64, bytes: &[u8]) -> bool {
         let Some(connection) = self.connections.get_mut(&id) else {
-            return;
+            return false;
         };
         let was_behind = !connection.behind.is_empty();
         if !push(connection, bytes) {
-            self.close(id);
-            return;
+            return false;
         }
-        let connection = &self.connections[&id];
         if !was_behind && !connection.behind.is_empty() {
             let fd = connection.stream.as_raw_fd();
             let _ = self.control(libc::EPOLL_CTL_MOD, fd, id, libc::EPOLLIN | libc::EPOLLOUT);
         }
+        true
     }
 
     fn catch_up(&mut self, id: u64) {
@@ -399,11 +462,23 @@ impl Worker {
     }
 
     fn close(&mut self, id: u64) {
-        if let Some(connection) = self.connections.remove(&id) {
-            if connection.subscribed.is_some() {
-                self.subscribers.retain(|&other| other != id);
+        // Dropping the stream closes it, which also removes it from the epoll set.
+        let Some(connection) = self.connections.remove(&id) else {
+            return;
+        };
+        if let Some(Subscription { slot, .. }) = connection.subscription {
+            self.subscribers.swap_remove(slot);
+            if let Some(&moved) = self.subscribers.get(slot) {
+                let moved = self
+                    .connections
+                    .get_mut(&moved)
+                    .expect("subscribers are present");
+                moved.subscription.as_mut().expect("a subscriber").slot = slot;
             }
-            // Dropping the stream closes it, which also removes it from the epoll set.
+        }
+        if !self.accepting {
+            let fd = self.listener.as_raw_fd();
+            self.accepting = self.watch(fd, LISTENER, libc::EPOLLIN).is_ok();
         }
     }
 }
