@@ -5,7 +5,7 @@ use posthorn::cli::{self, Cli};
 
 // jemalloc instead of glibc's malloc: glibc grows the heap of a worker thread's arena one
 // `mprotect` per page (5 % of the hub's CPU while ten thousand streams open), and its allocator
-// functions took twice jemalloc's share of a storm; jemalloc also keeps 8 % less per idle
+// functions took three times jemalloc's share of a storm; jemalloc also keeps 9 % less per idle
 // connection (docs/BENCHMARKS.md, "The allocator, again").
 #[global_allocator]
 static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;

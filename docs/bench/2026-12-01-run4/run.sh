@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# usage: PEER=posthorn|nchan DUR=20s N=10000 PERF=0|1 BIN=... EXTRA="env assignments" bcast.sh
+# usage: LTARGS="<loadtest scenario and options>" PEER=posthorn|nchan|floor BIN=... TOOLBIN=...
+#        EXTRA="env assignments for posthorn" PERF=0|1 run.sh
 set -u
 cd /work/main
 ulimit -n "$(ulimit -Hn)"
@@ -31,13 +32,4 @@ fi
 wait $LT
 kill -TERM $SP 2>/dev/null; sleep 0.5; kill -KILL $SP 2>/dev/null; wait $SP 2>/dev/null
 tail -n1 $OUT/lt.txt > $OUT/last.txt
-cat $OUT/last.txt | head -c 600; echo; exit 0
-python3 - <<'PY'
-import json
-r=json.load(open('/tmp/exp/out/last.txt'))
-def g(d,*ks):
-    for k in ks:
-        d=d.get(k,{}) if isinstance(d,dict) else {}
-    return d
-print(json.dumps({k:r.get(k) for k in ('latency_ms','lossless','cpu','delivered_per_s') if k in r}))
-PY
+cat $OUT/last.txt | head -c 600; echo
