@@ -30,6 +30,8 @@ use std::{
     thread,
 };
 
+use posthorn::http::server::is_resource_shortage;
+
 /// Largest request (head and body) accepted.
 const MAX_REQUEST: usize = 64 * 1024;
 /// A subscriber this far behind is closed.
@@ -255,12 +257,7 @@ impl Worker {
                     }
                 }
                 Err(error) if error.kind() == io::ErrorKind::WouldBlock => return,
-                Err(error)
-                    if matches!(
-                        error.raw_os_error(),
-                        Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM)
-                    ) =>
-                {
+                Err(error) if is_resource_shortage(&error) => {
                     // The listener is level-triggered and would wake us again at once: stop
                     // watching it until a connection closes.
                     let fd = self.listener.as_raw_fd();

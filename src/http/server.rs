@@ -149,7 +149,7 @@ async fn serve(
 }
 
 /// Out of descriptors or memory: accepting again at once would fail the same way.
-fn is_resource_shortage(error: &io::Error) -> bool {
+pub fn is_resource_shortage(error: &io::Error) -> bool {
     matches!(
         error.raw_os_error(),
         Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM)
