@@ -71,6 +71,10 @@ async fn unknown_path_is_json_404() {
         "/nope",
         "/v1/devices",
         "/v1/devices/pos-1/events/extra",
+        "/v1/devices/pos-1/events/",
+        "/v1/devices/pos-1",
+        "/v1/devices//events",
+        "/v1/devicesx/pos-1/events",
         "/",
     ] {
         let resp = http::get(hub.addr(), path).await;
@@ -101,6 +105,9 @@ async fn method_not_allowed_carries_allow_header() {
         .unwrap_or_default()
         .to_ascii_uppercase();
     assert!(allow.contains("POST"), "Allow header {allow:?}");
+    let resp = http::request(hub.addr(), "PUT", &stream_path("pos-1"), &[], Some(b"")).await;
+    assert_json_error(&resp, 405, "method_not_allowed");
+    assert_eq!(resp.header("allow"), Some("GET, OPTIONS"));
 }
 
 /// `/metrics` is Prometheus text with a HELP line for every SPEC 8 metric this build has, and

@@ -767,6 +767,28 @@ async fn cors_for_configured_origin_only() {
         resp.headers
     );
 
+    let resp = http::request(
+        addr,
+        "OPTIONS",
+        &stream_path("pos-1"),
+        &[
+            ("Origin", "https://pos.example"),
+            ("Access-Control-Request-Method", "GET"),
+            ("Access-Control-Request-Headers", "last-event-id"),
+        ],
+        None,
+    )
+    .await;
+    assert_eq!(resp.status, 204, "{}", resp.text());
+    assert_eq!(
+        resp.header("access-control-allow-origin"),
+        Some("https://pos.example")
+    );
+    assert!(resp
+        .header("access-control-allow-headers")
+        .unwrap_or_default()
+        .contains("last-event-id"));
+
     let client = SseClient::connect(
         addr,
         &stream_path("pos-1"),

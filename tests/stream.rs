@@ -352,6 +352,37 @@ async fn invalid_device_ids_are_rejected() {
     assert_eq!(client.status(), 200);
 }
 
+/// A query string that does not parse (here a repeated `last_event_id`) is a 400 JSON error.
+#[tokio::test]
+async fn a_malformed_query_string_is_rejected() {
+    let hub = Hub::builder().start().await;
+    let path = format!("{}?last_event_id=a&last_event_id=b", stream_path("pos-1"));
+    let response = http::get(hub.addr(), &path).await;
+    assert_eq!(response.status, 400, "{}", response.text());
+    let body = response.json();
+    assert_eq!(body["error"], "invalid_request", "{body}");
+    assert!(
+        body["message"]
+            .as_str()
+            .unwrap()
+            .contains("invalid query string"),
+        "{body}"
+    );
+}
+
+/// A device id in the path is percent-decoded (RFC 3986: `%2D` is `-`), so an escaped id opens
+/// the stream of the same device.
+#[tokio::test]
+async fn an_escaped_device_id_is_the_same_device() {
+    let hub = Hub::builder().start().await;
+    let mut client = SseClient::connect(hub.addr(), &stream_path("pos%2D1"), &[]).await;
+    assert_eq!(client.status(), 200);
+    let id = publish_to(&hub, "pos-1", "escaped").await;
+    let event = client.expect_event(WAIT).await;
+    assert_eq!(event.id.as_deref(), Some(id.as_str()));
+    assert_eq!(event.data, "escaped");
+}
+
 /// Beyond `limits.max_connections` new streams get 503 with Retry-After while existing ones keep
 /// working, and a closed stream frees its slot.
 #[tokio::test]

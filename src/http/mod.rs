@@ -59,15 +59,8 @@ pub fn configure(state: AppState) -> impl FnOnce(&mut web::ServiceConfig) {
             .app_data(web::QueryConfig::default().error_handler(|error, _| {
                 ApiError::InvalidRequest(format!("invalid query string: {error}")).into()
             }))
-            .app_data(web::PathConfig::default().error_handler(|error, _| {
-                ApiError::InvalidRequest(format!("invalid path: {error}")).into()
-            }))
-            .service(
-                web::resource("/v1/devices/{device}/events")
-                    .route(web::get().to(sse::stream))
-                    .route(web::method(actix_web::http::Method::OPTIONS).to(cors::preflight))
-                    .default_service(web::to(|| method_not_allowed("GET, OPTIONS"))),
-            )
+            // `/v1/devices/{device}/events`, matched without a regular expression (see sse.rs).
+            .service(web::scope("/v1/devices").default_service(web::to(sse::devices)))
             .service(
                 web::resource("/v1/events")
                     .route(web::post().to(publish::publish))
@@ -87,7 +80,7 @@ async fn not_found(_: HttpRequest) -> ApiError {
     ApiError::NotFound
 }
 
-async fn method_not_allowed(allow: &'static str) -> actix_web::HttpResponse {
+pub(crate) async fn method_not_allowed(allow: &'static str) -> actix_web::HttpResponse {
     let mut response = actix_web::ResponseError::error_response(&ApiError::MethodNotAllowed);
     response.headers_mut().insert(
         actix_web::http::header::ALLOW,

@@ -1,10 +1,22 @@
 //! `GET /v1/devices/{device}/events` (SPEC 4.1): validates the request, opens a Connection actor
 //! and answers with the body it feeds.
+//!
+//! The path is matched here rather than by an actix-web resource pattern: a pattern with a
+//! `{device}` segment is matched by a regular expression (regex-lite's PikeVM), which cost about
+//! 17,000 instructions per stream opened, a fifth of the hub's own instructions in a reconnect
+//! storm (docs/BENCHMARKS.md, "Instructions per event and per connection"). The scope
+//! `/v1/devices` is a plain prefix; [`device_segment`] takes the rest apart as the pattern did:
+//! one non-empty segment, then exactly `/events`.
 
-use actix_web::{web, HttpRequest, HttpResponse};
+use actix_web::{http::Method, web, HttpRequest, HttpResponse};
 use serde::Deserialize;
 
-use super::{auth::Access, error::ApiError, AppState};
+use super::{
+    auth::Access,
+    cors::{self, Cors},
+    error::ApiError,
+    method_not_allowed, AppState,
+};
 use crate::{
     actors::{
         close_reason::CloseReason,
@@ -19,18 +31,44 @@ pub struct StreamQuery {
     last_event_id: Option<String>,
 }
 
-pub async fn stream(
+/// Everything under the scope `/v1/devices`: the stream resource, or 404.
+pub async fn devices(
     request: HttpRequest,
-    device: web::Path<String>,
-    query: web::Query<StreamQuery>,
+    state: web::Data<AppState>,
+    cors: web::Data<Cors>,
+) -> Result<HttpResponse, ApiError> {
+    let Some(device) = device_segment(request.match_info().unprocessed()) else {
+        return Err(ApiError::NotFound);
+    };
+    match *request.method() {
+        Method::GET => stream(&request, device, state).await,
+        Method::OPTIONS => Ok(cors::preflight(request, cors).await),
+        _ => Ok(method_not_allowed("GET, OPTIONS").await),
+    }
+}
+
+/// The device of `/{device}/events` (the path after the scope); `None` for any other path.
+///
+/// actix-web has already decoded every escape in the path except `%2F`, `%25` and `%2B`, so a
+/// `/` here separates segments. The escapes left would decode to `/`, `%` or `+`, which no device
+/// id may contain, so the segment is not decoded further: `DeviceId::parse` refuses its `%`.
+fn device_segment(rest: &str) -> Option<&str> {
+    let (segment, tail) = rest.strip_prefix('/')?.split_once('/')?;
+    (!segment.is_empty() && tail == "events").then_some(segment)
+}
+
+async fn stream(
+    request: &HttpRequest,
+    device_text: &str,
     state: web::Data<AppState>,
 ) -> Result<HttpResponse, ApiError> {
-    let device_text = device.into_inner();
-    let device = DeviceId::parse(&device_text).map_err(|source| ApiError::InvalidDevice {
-        device: device_text,
+    let query = web::Query::<StreamQuery>::from_query(request.query_string())
+        .map_err(|error| ApiError::InvalidRequest(format!("invalid query string: {error}")))?;
+    let device = DeviceId::parse(device_text).map_err(|source| ApiError::InvalidDevice {
+        device: device_text.to_owned(),
         source,
     })?;
-    state.auth.check(&request, Access::Stream(&device))?;
+    state.auth.check(request, Access::Stream(&device))?;
     if state.hub.is_draining() {
         return Err(ApiError::Draining);
     }
@@ -80,4 +118,28 @@ pub async fn stream(
         // When the stream ends (drain, takeover) the TCP connection ends with it.
         .force_close()
         .body(body))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::device_segment;
+
+    #[test]
+    fn the_stream_path_has_one_segment_then_events() {
+        assert_eq!(device_segment("/pos-1/events"), Some("pos-1"));
+        for other in [
+            "",
+            "/",
+            "/pos-1",
+            "/pos-1/",
+            "/pos-1/events/",
+            "/pos-1/events/extra",
+            "/pos-1/eventsx",
+            "//events",
+            "/a/b/events",
+            "pos-1/events",
+        ] {
+            assert_eq!(device_segment(other), None, "{other:?}");
+        }
+    }
 }
