@@ -3,8 +3,8 @@
 //!
 //! The path is matched here rather than by an actix-web resource pattern: a pattern with a
 //! `{device}` segment is matched by a regular expression (regex-lite's PikeVM), which cost about
-//! 17,000 instructions per stream opened, a fifth of the hub's own instructions in a reconnect
-//! storm (docs/BENCHMARKS.md, "Instructions per event and per connection"). The scope
+//! 18,000 instructions per stream opened, a fifth of the hub's own instructions in a reconnect
+//! storm (docs/BENCHMARKS.md, "Fifth run"). The scope
 //! `/v1/devices` is a plain prefix; [`device_segment`] takes the rest apart as the pattern did:
 //! one non-empty segment, then exactly `/events`.
 
