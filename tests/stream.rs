@@ -352,6 +352,76 @@ async fn invalid_device_ids_are_rejected() {
     assert_eq!(client.status(), 200);
 }
 
+/// Every chunk of a stream is framed as RFC 9112 writes it, with the size in upper-case hex
+/// without leading zeros: the hub writes chunk sizes by hand (a patch to the vendored
+/// actix-http), so sizes of two to four hex digits are checked against `{:X}` on the raw bytes.
+#[tokio::test]
+async fn chunk_sizes_are_canonical_hex_on_the_wire() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    let hub = Hub::builder().start().await;
+    let mut socket = tokio::net::TcpStream::connect(hub.addr()).await.unwrap();
+    let request = http::encode_request(hub.addr(), "GET", &stream_path("pos-1"), &[], None);
+    socket.write_all(&request).await.unwrap();
+    let mut wire = Vec::new();
+    let head = http::read_head(&mut socket, &mut wire).await.unwrap();
+    assert_eq!(head.status, 200);
+
+    // The prelude (24 bytes) is a chunk of its own; frames of tens of bytes up to 60 KB follow.
+    let sizes = [1usize, 200, 3_000, 60_000];
+    for (index, size) in sizes.iter().enumerate() {
+        let data = format!("{index}{}", "x".repeat(size - 1));
+        publish_to(&hub, "pos-1", &data).await;
+    }
+    let mut payload = Vec::new();
+    let mut chunk_sizes = Vec::new();
+    let deadline = tokio::time::Instant::now() + WAIT;
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        // Take every complete chunk off the front of `wire`.
+        while let Some(line_end) = wire.windows(2).position(|pair| pair == b"\r\n") {
+            let line = std::str::from_utf8(&wire[..line_end]).expect("ASCII size line");
+            let size = usize::from_str_radix(line, 16).expect("a bare hex size");
+            assert_eq!(line, format!("{size:X}"), "chunk size line {line:?}");
+            let end = line_end + 2 + size + 2;
+            if wire.len() < end {
+                break;
+            }
+            assert_eq!(
+                &wire[end - 2..end],
+                b"\r\n",
+                "chunk of {size} bytes not closed"
+            );
+            payload.extend_from_slice(&wire[line_end + 2..end - 2]);
+            chunk_sizes.push(size);
+            wire.drain(..end);
+        }
+        let text = String::from_utf8_lossy(&payload);
+        if text.contains(&format!("data: 3{}\n", "x".repeat(59_999))) {
+            break;
+        }
+        let n = tokio::time::timeout_at(deadline, socket.read(&mut buf))
+            .await
+            .expect("every event within the wait")
+            .unwrap();
+        assert!(n > 0, "the stream ended");
+        wire.extend_from_slice(&buf[..n]);
+    }
+    let text = String::from_utf8_lossy(&payload);
+    for (index, size) in sizes.iter().enumerate() {
+        let data = format!("data: {index}{}\n", "x".repeat(size - 1));
+        assert!(
+            text.contains(&data),
+            "event {index} of {size} bytes missing"
+        );
+    }
+    assert!(
+        chunk_sizes.iter().any(|&size| size < 0x100)
+            && chunk_sizes.iter().any(|&size| size >= 0x1000),
+        "no two-digit or no four-digit chunk among {chunk_sizes:?}"
+    );
+}
+
 /// A query string that does not parse (here a repeated `last_event_id`) is a 400 JSON error.
 #[tokio::test]
 async fn a_malformed_query_string_is_rejected() {
