@@ -463,7 +463,7 @@ impl TransferEncoding {
                     *eof = true;
                     buf.extend_from_slice(b"0\r\n\r\n");
                 } else {
-                    // posthorn: the chunk size in hex without `fmt` (its machinery was a tenth
+                    // posthorn: the chunk size in hex without `fmt` (its machinery was about 6 %
                     // of the instructions a streamed event costs, once the decoder stopped
                     // zeroing its header array on every poll).
                     let mut digits = [0u8; 2 * std::mem::size_of::<usize>()];
