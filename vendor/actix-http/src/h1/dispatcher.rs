@@ -927,6 +927,13 @@ where
 
         let mut this = self.as_mut().project();
 
+        // posthorn: nothing was read and no request body is being received, so the codec has
+        // nothing to decode (it would answer `Ok(None)`). On a streaming response this poll runs
+        // once per event written; not calling the codec spares a read of its state.
+        if this.read_buf.is_empty() && this.payload.is_none() {
+            return Ok(false);
+        }
+
         let mut updated = false;
 
         // decode from read buf as many full requests as possible
