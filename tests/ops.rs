@@ -463,3 +463,47 @@ async fn the_exit_answers_a_request_in_flight() {
     let status = hub.wait_exit(WAIT).await.expect("the process exits");
     assert_eq!(status.code(), Some(0), "exit status {status}");
 }
+
+/// An idle keep-alive connection does not hold up the exit: its dispatcher closes it as soon as
+/// the server stops, so the worker need not wait out its stop timeout (which it would log).
+#[tokio::test]
+async fn the_exit_closes_idle_keep_alive_connections_at_once() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    let mut hub = Hub::builder().start().await;
+    let addr = hub.addr();
+    let mut idle = tokio::net::TcpStream::connect(addr).await.unwrap();
+    idle.write_all(&http::encode_request(addr, "GET", "/healthz", &[], None))
+        .await
+        .unwrap();
+    let mut buf = Vec::new();
+    let head = tokio::time::timeout(WAIT, http::read_head(&mut idle, &mut buf))
+        .await
+        .expect("an answer")
+        .expect("a response head");
+    assert_eq!(head.status, 200);
+    assert!(
+        !head
+            .headers
+            .iter()
+            .any(|(name, value)| name.eq_ignore_ascii_case("connection") && value == "close"),
+        "the connection must stay open for this test"
+    );
+
+    let drain = http::request(addr, "POST", "/admin/drain", &[], None).await;
+    assert_eq!(drain.status, 202, "{}", drain.text());
+    let mut rest = [0u8; 1024];
+    loop {
+        let n = tokio::time::timeout(WAIT, idle.read(&mut rest))
+            .await
+            .expect("the server closes the idle connection")
+            .expect("a clean close, not a reset");
+        if n == 0 {
+            break;
+        }
+    }
+    let status = hub.wait_exit(WAIT).await.expect("the process exits");
+    assert_eq!(status.code(), Some(0), "exit status {status}");
+    let log = hub.stderr_log();
+    assert!(!log.contains("still open"), "{log}");
+}

@@ -14,11 +14,14 @@
 //! [`Server::stopped`] resolves when every worker has.
 
 use std::{
-    cell::Cell,
+    cell::{Cell, RefCell},
+    future::Future,
     io,
     net::{SocketAddr, TcpListener},
     os::fd::AsRawFd,
+    pin::Pin,
     rc::Rc,
+    task::{Context, Poll, Waker},
     time::Duration,
 };
 
@@ -26,6 +29,7 @@ use actix_http::{error::DispatchError, Protocol};
 use actix_rt::{net::TcpStream, Arbiter};
 use actix_service::{map_config, IntoServiceFactory, Service, ServiceFactory, ServiceFactoryExt};
 use actix_web::{dev::AppConfig, App};
+use slab::Slab;
 use tokio::sync::{mpsc, watch, Notify};
 
 use super::{configure, cors, AppState};
@@ -107,8 +111,9 @@ async fn serve(
     mut stop_requested: watch::Receiver<bool>,
 ) -> io::Result<()> {
     let listener = actix_rt::net::TcpListener::from_std(listener)?;
+    let worker_stop = Rc::new(WorkerStop::default());
     let service = Rc::new(
-        http_service(state, address, stop_requested.clone())
+        http_service(state, address, worker_stop.clone())
             .new_service(())
             .await
             .map_err(|()| io::Error::other("cannot build the HTTP service"))?,
@@ -144,7 +149,16 @@ async fn serve(
         }
     }
     drop(listener);
-    let _ = actix_rt::time::timeout(STOP_TIMEOUT, open.all_closed()).await;
+    worker_stop.stop();
+    if actix_rt::time::timeout(STOP_TIMEOUT, open.all_closed())
+        .await
+        .is_err()
+    {
+        log::warn!(
+            "{} connections still open {STOP_TIMEOUT:?} after the stop; closing them",
+            open.count.get()
+        );
+    }
     Ok(())
 }
 
@@ -157,12 +171,12 @@ pub fn is_resource_shortage(error: &io::Error) -> bool {
 }
 
 /// The HTTP service of one worker. Its dispatchers finish (an idle keep-alive connection closes,
-/// a request in flight is answered first) once `stop_requested` turns true; a `watch` because a
-/// connection accepted just before the stop must still see it when its dispatcher first looks.
+/// a request in flight is answered first) once `worker_stop` has stopped, also those of
+/// connections accepted just before the stop whose dispatchers look for the first time after it.
 fn http_service(
     state: AppState,
     address: SocketAddr,
-    stop_requested: watch::Receiver<bool>,
+    worker_stop: Rc<WorkerStop>,
 ) -> impl ServiceFactory<
     (TcpStream, Protocol, Option<SocketAddr>),
     Config = (),
@@ -183,13 +197,7 @@ fn http_service(
         // A client's FIN must end its stream now, not at the next failed write.
         .h1_allow_half_closed(false)
         .local_addr(address)
-        .graceful_shutdown_signal(move || {
-            let mut stop_requested = stop_requested.clone();
-            async move {
-                // An error means the server is gone, which is a stop too.
-                let _ = stop_requested.wait_for(|stop| *stop).await;
-            }
-        })
+        .graceful_shutdown_signal(move || worker_stop.signal())
         .on_connect_ext(|stream: &TcpStream, extensions| {
             extensions.insert(ConnectionSocket(stream.as_raw_fd()));
         })
@@ -198,6 +206,77 @@ fn http_service(
         // The peer address comes with the accepted socket, so actix-http's `tcp()` wrapper (one
         // more `getpeername` per connection) is left out.
         .finish(map_config(app, |()| AppConfig::default()))
+}
+
+/// A worker's stop as its connections' dispatchers see it.
+///
+/// actix-http polls a connection's shutdown signal every time it polls the connection, so on a
+/// stream once per event written. A `watch::Receiver::wait_for` there touched three separate
+/// pieces of memory per poll (the boxed future, the receiver, its `Notified`), each a likely
+/// cache miss with 10,000 streams; a [`StopSignal`] touches its own box and this shared state,
+/// which every connection of the worker reads and nothing writes until the stop.
+#[derive(Default)]
+struct WorkerStop {
+    stopped: Cell<bool>,
+    waiting: RefCell<Slab<Waker>>,
+}
+
+impl WorkerStop {
+    fn stop(&self) {
+        self.stopped.set(true);
+        let waiting = std::mem::take(&mut *self.waiting.borrow_mut());
+        for (_, waker) in waiting {
+            waker.wake();
+        }
+    }
+
+    fn signal(self: &Rc<Self>) -> StopSignal {
+        StopSignal {
+            worker: self.clone(),
+            registered: None,
+        }
+    }
+}
+
+/// Resolves when its worker stops.
+struct StopSignal {
+    worker: Rc<WorkerStop>,
+    /// The waker this signal left with the worker, and its key there.
+    registered: Option<(usize, Waker)>,
+}
+
+impl Future for StopSignal {
+    type Output = ();
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        let this = self.get_mut();
+        if this.worker.stopped.get() {
+            return Poll::Ready(());
+        }
+        match &mut this.registered {
+            Some((_, waker)) if waker.will_wake(cx.waker()) => {}
+            Some((key, waker)) => {
+                waker.clone_from(cx.waker());
+                this.worker.waiting.borrow_mut()[*key] = cx.waker().clone();
+            }
+            None => {
+                let key = this.worker.waiting.borrow_mut().insert(cx.waker().clone());
+                this.registered = Some((key, cx.waker().clone()));
+            }
+        }
+        Poll::Pending
+    }
+}
+
+impl Drop for StopSignal {
+    fn drop(&mut self) {
+        // After the stop the worker's list is empty already.
+        if let Some((key, _)) = self.registered.take() {
+            if !self.worker.stopped.get() {
+                self.worker.waiting.borrow_mut().remove(key);
+            }
+        }
+    }
 }
 
 /// Counts a worker's open connections so that a stop can wait for them.
@@ -229,5 +308,72 @@ impl Drop for OpenGuard {
         if left == 0 {
             self.0.none_left.notify_waiters();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::{
+        sync::{
+            atomic::{AtomicUsize, Ordering},
+            Arc,
+        },
+        task::Wake,
+    };
+
+    use super::*;
+
+    #[derive(Default)]
+    struct CountingWaker(AtomicUsize);
+
+    impl Wake for CountingWaker {
+        fn wake(self: Arc<Self>) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    fn poll(signal: &mut StopSignal, waker: &Waker) -> Poll<()> {
+        Pin::new(signal).poll(&mut Context::from_waker(waker))
+    }
+
+    #[test]
+    fn stop_signal_wakes_the_latest_waker_of_each_waiting_signal_once() {
+        let worker = Rc::new(WorkerStop::default());
+        let (first, second) = (
+            Arc::new(CountingWaker::default()),
+            Arc::new(CountingWaker::default()),
+        );
+        let (first_waker, second_waker) = (Waker::from(first.clone()), Waker::from(second.clone()));
+
+        let mut waiting = worker.signal();
+        assert_eq!(poll(&mut waiting, &first_waker), Poll::Pending);
+        assert_eq!(poll(&mut waiting, &first_waker), Poll::Pending);
+        assert_eq!(
+            worker.waiting.borrow().len(),
+            1,
+            "polled twice, registered once"
+        );
+
+        let mut closed_early = worker.signal();
+        assert_eq!(poll(&mut closed_early, &first_waker), Poll::Pending);
+        assert_eq!(worker.waiting.borrow().len(), 2);
+        drop(closed_early);
+        assert_eq!(
+            worker.waiting.borrow().len(),
+            1,
+            "a dropped signal leaves nothing behind"
+        );
+
+        // Polled by another task now: the stop must wake that one.
+        assert_eq!(poll(&mut waiting, &second_waker), Poll::Pending);
+        assert_eq!(worker.waiting.borrow().len(), 1);
+
+        worker.stop();
+        assert_eq!(first.0.load(Ordering::SeqCst), 0);
+        assert_eq!(second.0.load(Ordering::SeqCst), 1);
+        assert_eq!(poll(&mut waiting, &second_waker), Poll::Ready(()));
+        assert_eq!(poll(&mut worker.signal(), &first_waker), Poll::Ready(()));
+        drop(waiting);
+        assert!(worker.waiting.borrow().is_empty());
     }
 }
