@@ -117,6 +117,10 @@ impl Chunk {
         self.first.as_ref().map_or(0, Bytes::len) + self.rest.as_ref().map_or(0, BytesMut::len)
     }
 
+    fn is_empty(&self) -> bool {
+        self.first.is_none()
+    }
+
     fn push(&mut self, bytes: Bytes) {
         match (&self.first, &mut self.rest) {
             (None, _) => self.first = Some(bytes),
@@ -182,6 +186,13 @@ impl MessageBody for SseBody {
                     chunk.push(frame::PING);
                 }
                 QueueItem::Retry(retry_ms) => chunk.push(frame::retry(retry_ms)),
+            }
+            // Returning data means actix polls again, and that poll will find the queue empty
+            // (registering the waker) or take what arrived meanwhile; polling the queue now would
+            // only lock it to find it empty, once more per event. With nothing to write yet
+            // the loop must go on: only a `Pending` from the queue leaves a waker behind.
+            if !replaying && this.live.emptied() && !chunk.is_empty() {
+                break;
             }
         }
         if events > 0 {

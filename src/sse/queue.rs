@@ -46,7 +46,10 @@ pub fn channel(limit: usize) -> (QueueSender, QueueReceiver) {
         QueueSender {
             shared: shared.clone(),
         },
-        QueueReceiver { shared },
+        QueueReceiver {
+            shared,
+            emptied: false,
+        },
     )
 }
 
@@ -135,6 +138,8 @@ impl Drop for QueueSender {
 #[derive(Debug)]
 pub struct QueueReceiver {
     shared: Arc<Shared>,
+    /// The last `poll_recv` took the last waiting item.
+    emptied: bool,
 }
 
 impl QueueReceiver {
@@ -143,7 +148,8 @@ impl QueueReceiver {
         let mut state = self.shared.lock();
         match state.items.pop_front() {
             Some(item) => {
-                state.waiting_since = if state.items.is_empty() {
+                self.emptied = state.items.is_empty();
+                state.waiting_since = if self.emptied {
                     if state.items.capacity() > RETAINED_CAPACITY {
                         state.items.shrink_to(RETAINED_CAPACITY);
                     }
@@ -159,6 +165,13 @@ impl QueueReceiver {
                 Poll::Pending
             }
         }
+    }
+
+    /// The item last received was the last one waiting (at that moment: a sender may have added
+    /// more since). Lets the body write what it has without asking the queue once more, which
+    /// would take the lock only to find it empty.
+    pub fn emptied(&self) -> bool {
+        self.emptied
     }
 }
 
@@ -205,11 +218,13 @@ mod tests {
             poll(&mut receiver),
             Poll::Ready(Some(QueueItem::Retry(1)))
         ));
+        assert!(!receiver.emptied(), "one item still waits");
         drop(sender);
         assert!(matches!(
             poll(&mut receiver),
             Poll::Ready(Some(QueueItem::Retry(2)))
         ));
+        assert!(receiver.emptied(), "the last waiting item was taken");
         assert!(poll(&mut receiver).is_pending(), "a sender is left");
         drop(second);
         assert!(matches!(poll(&mut receiver), Poll::Ready(None)));
