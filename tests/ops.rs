@@ -271,6 +271,28 @@ async fn admin_status_reports_state_without_secrets() {
     assert_eq!(tails[0]["state"], "running");
     assert_eq!(status["drain"]["phase"], "idle", "{status}");
 
+    // The tail shows the last position it read per shard as `[shard, "ms-seq"]`.
+    let published = http::post_json(
+        hub.addr(),
+        "/v1/events",
+        &serde_json::json!({ "device": "pos-1", "data": "status" }),
+    )
+    .await;
+    assert_eq!(published.status, 201, "{}", published.text());
+    let id = published.json()["results"][0]["id"]
+        .as_str()
+        .expect("an event id")
+        .to_owned();
+    let (epoch_and_shard, position) = id.rsplit_once('.').expect("epoch.shard.position");
+    let (_, shard) = epoch_and_shard.rsplit_once('.').expect("epoch.shard");
+    let shard: u64 = shard.parse().expect("a numeric shard");
+    wait_status(&hub, WAIT, "the published position in last_ids", |s| {
+        s["tails"][0]["last_ids"]
+            .as_array()
+            .is_some_and(|ids| ids.contains(&serde_json::json!([shard, position])))
+    })
+    .await;
+
     let config = &status["config"];
     assert!(config.is_object(), "config summary in {status}");
     assert_eq!(config["server"]["listen"], hub.addr().to_string());

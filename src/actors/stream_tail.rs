@@ -30,7 +30,7 @@ use crate::{
     actors::close_reason::ResyncReason,
     backend::{Backend, GapReason, Tail, TailBatch},
     metrics::Metrics,
-    model::Cursor,
+    model::{Cursor, Position},
     sse::frame,
     stop::sleep_or_stop,
 };
@@ -55,8 +55,10 @@ pub enum TailState {
 pub struct TailStatus {
     pub group: usize,
     pub state: TailState,
-    /// Last position read per shard (`ms-seq`).
-    pub last_ids: Vec<(u32, String)>,
+    /// Last position read per shard, shown as `ms-seq`. Formatted only when the status is read:
+    /// the tail updates it after every batch, also the empty ones of an idle stream.
+    #[serde(serialize_with = "positions_as_ids")]
+    pub last_ids: Vec<(u32, Position)>,
     pub lag_seconds: f64,
     pub batches: u64,
     pub events: u64,
@@ -64,6 +66,17 @@ pub struct TailStatus {
 }
 
 pub type SharedTailStatus = Arc<Mutex<TailStatus>>;
+
+fn positions_as_ids<S: serde::Serializer>(
+    positions: &[(u32, Position)],
+    serializer: S,
+) -> Result<S::Ok, S::Error> {
+    serializer.collect_seq(
+        positions
+            .iter()
+            .map(|(shard, position)| (shard, position.to_string())),
+    )
+}
 
 /// Jittered exponential backoff between retries; reset after a successful read.
 #[derive(Debug)]
@@ -323,11 +336,7 @@ impl TailLoop {
         // An empty read (a BLOCK timeout) means the tail has caught up: no lag.
         let lag = newest_ms.map_or(0.0, |ms| now_ms().saturating_sub(ms) as f64 / 1000.0);
         self.metrics.tail_lag(self.group, lag);
-        let last_ids = tail
-            .last_positions()
-            .into_iter()
-            .map(|(shard, position)| (shard, position.to_string()))
-            .collect();
+        let last_ids = tail.last_positions();
         self.update(|s| {
             s.state = TailState::Running;
             s.batches += 1;
