@@ -37,7 +37,14 @@ async fn drain_flushes_queued_events_before_closing() {
     // A 201 means stored, not yet routed: the tail and the Router deliver it a moment later. An
     // event still on its way when the drain closes the stream is not in the queue (the client
     // gets it on resume), so the drain starts once all of them are queued.
-    wait_until_routed(&hub, EVENTS).await;
+    support::metrics::wait_for(
+        hub.addr(),
+        "router_events_total",
+        &[("result", "delivered")],
+        EVENTS as f64,
+        WAIT,
+    )
+    .await;
     let drain = http::request(hub.addr(), "POST", "/admin/drain?exit=false", &[], None).await;
     assert_eq!(drain.status, 202);
     let events = client.read_to_close(WAIT).await;
@@ -61,24 +68,6 @@ async fn drain_flushes_queued_events_before_closing() {
         (2000..=4000).contains(&retry),
         "closing retry {retry} outside the drain range"
     );
-}
-
-/// Waits until the Router has put `events` events into connection queues.
-async fn wait_until_routed(hub: &Hub, events: usize) {
-    let deadline = tokio::time::Instant::now() + WAIT;
-    loop {
-        let routed = support::metrics::scrape(hub.addr())
-            .await
-            .value_or_zero("router_events_total", &[("result", "delivered")]);
-        if routed >= events as f64 {
-            return;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "only {routed} of {events} events routed"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
 }
 
 /// After `POST /admin/drain?exit=false`, one SIGTERM ends the process with exit code 0.

@@ -28,22 +28,9 @@ async fn broadcast(hub: &Hub, data: &str) {
     assert_eq!(response.status, 201, "{}", response.text());
 }
 
-/// Polls `/metrics` until `name` reaches `value` (or fails after WAIT).
+/// Waits until `name` reaches `value` on `hub`'s `/metrics`.
 async fn wait_for_metric(hub: &Hub, name: &str, labels: &[(&str, &str)], value: f64) {
-    let deadline = tokio::time::Instant::now() + WAIT;
-    loop {
-        let current = metrics::scrape(hub.addr())
-            .await
-            .value_or_zero(name, labels);
-        if current >= value {
-            return;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "{name} stayed at {current}, expected {value}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    metrics::wait_for(hub.addr(), name, labels, value, WAIT).await;
 }
 
 /// A raw TCP client that never reads is evicted (counted as slow_consumer, socket closed) while a

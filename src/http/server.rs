@@ -241,7 +241,8 @@ impl WorkerStop {
 /// Resolves when its worker stops.
 struct StopSignal {
     worker: Rc<WorkerStop>,
-    /// The waker this signal left with the worker, and its key there.
+    /// The waker this signal left with the worker, and its key there. Kept here too, so that
+    /// the poll of every event compares against the signal's own memory, not the shared slab.
     registered: Option<(usize, Waker)>,
 }
 

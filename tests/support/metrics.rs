@@ -4,6 +4,7 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
+use std::time::Duration;
 
 use super::http;
 
@@ -50,6 +51,29 @@ pub async fn scrape(addr: SocketAddr) -> Scrape {
         resp.text()
     );
     Scrape::parse(&resp.text())
+}
+
+/// Polls `GET /metrics` until the samples named `name` with `labels` add up to at least `value`;
+/// panics with the last value after `timeout`.
+pub async fn wait_for(
+    addr: SocketAddr,
+    name: &str,
+    labels: &[(&str, &str)],
+    value: f64,
+    timeout: Duration,
+) {
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        let current = scrape(addr).await.value_or_zero(name, labels);
+        if current >= value {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{name}{labels:?} stayed at {current}, expected {value}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
 
 impl Scrape {
