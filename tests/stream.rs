@@ -498,3 +498,79 @@ async fn empty_payload_is_delivered() {
         (Some(id.as_str()), "")
     );
 }
+
+/// Writes `bytes` 100 at a time, each piece its own TCP segment, so the hub reads them one by one.
+async fn write_in_pieces(socket: &mut tokio::net::TcpStream, bytes: &[u8]) {
+    use tokio::io::AsyncWriteExt;
+
+    socket.set_nodelay(true).unwrap();
+    for piece in bytes.chunks(100) {
+        socket.write_all(piece).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+}
+
+/// Requests that arrive in small pieces and outgrow a connection's first read buffer are read
+/// whole. The vendored actix-http starts that buffer at 1 KiB and grows it only when nearly full
+/// (patch 5 in vendor/actix-http/POSTHORN-PATCH.md), so these requests are read into a buffer
+/// that is grown between reads, each time partly filled. A stream request with a 3 KiB header
+/// and a 20 KiB publish, each sent 100 bytes at a time, are answered, and the event arrives
+/// whole on the stream. (A dispatcher that stopped reading once it held 2,000 bytes failed it.)
+#[tokio::test]
+async fn requests_arriving_in_pieces_beyond_the_first_read_buffer_are_read_whole() {
+    use tokio::io::AsyncReadExt;
+
+    let hub = Hub::builder().start().await;
+    let padding = "p".repeat(3 * 1024);
+    let mut stream = tokio::net::TcpStream::connect(hub.addr()).await.unwrap();
+    let request = http::encode_request(
+        hub.addr(),
+        "GET",
+        &stream_path("pos-pieces"),
+        &[("Accept", "text/event-stream"), ("X-Padding", &padding)],
+        None,
+    );
+    write_in_pieces(&mut stream, &request).await;
+    let mut wire = Vec::new();
+    let head = tokio::time::timeout(WAIT, http::read_head(&mut stream, &mut wire))
+        .await
+        .expect("a stream head within the wait")
+        .unwrap();
+    assert_eq!(head.status, 200);
+
+    let data = "d".repeat(20 * 1024);
+    let body = serde_json::to_vec(&json!({ "device": "pos-pieces", "data": data })).unwrap();
+    let mut publisher = tokio::net::TcpStream::connect(hub.addr()).await.unwrap();
+    let request = http::encode_request(
+        hub.addr(),
+        "POST",
+        "/v1/events",
+        &[
+            ("Content-Type", "application/json"),
+            ("Connection", "close"),
+        ],
+        Some(&body),
+    );
+    write_in_pieces(&mut publisher, &request).await;
+    let mut answer = Vec::new();
+    let published = tokio::time::timeout(WAIT, http::read_head(&mut publisher, &mut answer))
+        .await
+        .expect("a publish answer within the wait")
+        .unwrap();
+    assert_eq!(published.status, 201);
+
+    let mut framing = http::BodyFraming::for_response("GET", &head).unwrap();
+    let mut payload = Vec::new();
+    framing.decode(&wire, &mut payload).unwrap();
+    let expected = format!("data: {data}\n");
+    let deadline = tokio::time::Instant::now() + WAIT;
+    let mut buf = vec![0u8; 64 * 1024];
+    while !String::from_utf8_lossy(&payload).contains(&expected) {
+        let n = tokio::time::timeout_at(deadline, stream.read(&mut buf))
+            .await
+            .expect("the event within the wait")
+            .unwrap();
+        assert!(n > 0, "the stream ended");
+        framing.decode(&buf[..n], &mut payload).unwrap();
+    }
+}

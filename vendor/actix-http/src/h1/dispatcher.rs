@@ -38,6 +38,8 @@ use crate::{
 
 const LW_BUFFER_SIZE: usize = 1024;
 const HW_BUFFER_SIZE: usize = 1024 * 8;
+/// posthorn patch: free space below which the read buffer grows before a read.
+const MIN_READ_SPACE: usize = 128;
 const MAX_PIPELINED_MESSAGES: usize = 16;
 
 /// Write buffer capacity at which we reallocate it after flushing.
@@ -1245,9 +1247,13 @@ where
                 return Ok(false);
             }
 
-            // grow buffer if necessary.
+            // posthorn patch: grow the buffer only when it is nearly full. Upstream grows it
+            // whenever less than LW_BUFFER_SIZE is free, i.e. (with the 1 KiB start above) before
+            // the second read of every request, which then mostly finds the socket drained:
+            // every streaming connection moved its request into a new 8 KiB buffer and kept
+            // that for its lifetime.
             let remaining = this.read_buf.capacity() - this.read_buf.len();
-            if remaining < LW_BUFFER_SIZE {
+            if remaining < MIN_READ_SPACE {
                 this.read_buf.reserve(HW_BUFFER_SIZE - remaining);
             }
 
