@@ -42,8 +42,6 @@ const HW_BUFFER_SIZE: usize = 1024 * 8;
 const MIN_READ_SPACE: usize = 128;
 const MAX_PIPELINED_MESSAGES: usize = 16;
 
-/// Write buffer capacity at which we reallocate it after flushing.
-const WRITE_BUFFER_RETENTION_LIMIT: usize = 1024 * 128;
 
 bitflags! {
     #[derive(Debug, Clone, Copy)]
@@ -368,15 +366,17 @@ where
         let InnerDispatcherProj {
             io,
             write_buf,
-            h1_write_buffer_size,
             write_buf_needs_reset,
             ..
         } = self.project();
         let mut io = Pin::new(io.as_mut().unwrap());
 
-        // Allow normal buffer growth, but do not retain allocations caused by large response
-        // chunks on idle connections.
-        let retention_limit = (*h1_write_buffer_size).max(WRITE_BUFFER_RETENTION_LIMIT);
+        // posthorn patch: once everything is written, keep at most HW_BUFFER_SIZE, not up to
+        // 128 KiB. A streaming connection that wrote one burst (a replayed backlog, a batch of
+        // broadcasts) kept the 32 to 96 KiB its write buffer had grown to for the rest of its
+        // life, while it idles. A new allocation after a flush of more than 8 KiB costs little
+        // next to that write.
+        let retention_limit = HW_BUFFER_SIZE;
 
         if write_buf.capacity() > retention_limit {
             // Needs stored flag because `write_buf.advance(n)` reduces reported capacity without
@@ -405,7 +405,8 @@ where
 
         // All bytes have been accepted by the I/O stream, so the buffer can be reused or released.
         if *write_buf_needs_reset {
-            *write_buf = BytesMut::with_capacity(HW_BUFFER_SIZE);
+            // posthorn patch: back to the size a new connection starts with (see `new`).
+            *write_buf = BytesMut::with_capacity(LW_BUFFER_SIZE);
             *write_buf_needs_reset = false;
         } else {
             write_buf.clear();

@@ -59,7 +59,7 @@ impl AsyncWrite for LimitedWriter {
 ///
 /// - `body_len`: Response body length in bytes, sent as one chunk for each request.
 /// - `threshold`: Configured HTTP/1 write-buffer watermark in bytes. The retention limit is
-///   the larger of this value and `WRITE_BUFFER_RETENTION_LIMIT`.
+///   `HW_BUFFER_SIZE` whatever it is (posthorn patch 6).
 /// - `partial`: If true, block writes after `body_len - 1024` bytes, including headers,
 ///   then resume them. Requires `body_len > 1024`.
 /// - `release`: If true, expect the drained buffer to retain at most `HW_BUFFER_SIZE` bytes.
@@ -87,8 +87,8 @@ async fn check_buffer_retention(body_len: usize, threshold: usize, partial: bool
             allowance: allowance.clone(),
         },
         services,
-        // This sets the body-polling watermark. The retention limit is the larger
-        // of this value and WRITE_BUFFER_RETENTION_LIMIT.
+        // This sets the body-polling watermark; it no longer sets the retention limit
+        // (posthorn patch 6).
         ServiceConfigBuilder::new()
             .h1_write_buffer_size(threshold)
             .build(),
@@ -194,9 +194,9 @@ async fn normal_write_buffer_reused_after_flush() {
 }
 
 #[actix_rt::test]
-async fn configured_write_buffer_reused_after_flush() {
-    // A custom watermark above 128 KiB also raises the retention limit.
-    check_buffer_retention(256 * 1024, 1024 * 1024, false, false).await;
+async fn configured_write_buffer_released_after_flush() {
+    // posthorn patch 6: a custom watermark no longer raises the retention limit.
+    check_buffer_retention(256 * 1024, 1024 * 1024, false, true).await;
 }
 
 #[actix_rt::test]
