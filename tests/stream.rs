@@ -506,7 +506,8 @@ async fn empty_payload_is_delivered() {
     );
 }
 
-/// Writes `bytes` 100 at a time, each piece its own TCP segment, so the hub reads them one by one.
+/// Writes `bytes` 100 at a time with a pause after each piece (and `TCP_NODELAY`), so the pieces
+/// most likely arrive, and are read, one by one.
 async fn write_in_pieces(socket: &mut tokio::net::TcpStream, bytes: &[u8]) {
     use tokio::io::AsyncWriteExt;
 

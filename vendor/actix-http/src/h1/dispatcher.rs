@@ -42,7 +42,6 @@ const HW_BUFFER_SIZE: usize = 1024 * 8;
 const MIN_READ_SPACE: usize = 128;
 const MAX_PIPELINED_MESSAGES: usize = 16;
 
-
 bitflags! {
     #[derive(Debug, Clone, Copy)]
     pub struct Flags: u8 {
@@ -1248,14 +1247,20 @@ where
                 return Ok(false);
             }
 
-            // posthorn patch: grow the buffer only when it is nearly full. Upstream grows it
-            // whenever less than LW_BUFFER_SIZE is free, i.e. (with the 1 KiB start above) before
-            // the second read of every request, which then mostly finds the socket drained:
-            // every streaming connection moved its request into a new 8 KiB buffer and kept
-            // that for its lifetime.
+            // posthorn patch: grow the buffer only when it is nearly full, and by its own size up
+            // to HW_BUFFER_SIZE. Upstream grows it by up to 8 KiB whenever less than
+            // LW_BUFFER_SIZE is free, i.e. (with the 1 KiB start above) before the second read of
+            // every request, which then mostly finds the socket drained: every streaming
+            // connection moved its request into a new 8 KiB buffer and kept it for its lifetime.
+            // Growing by steps of the current size keeps a request of 1 to 2 KiB (a stream
+            // request with a JWT) in 2 KiB.
             let remaining = this.read_buf.capacity() - this.read_buf.len();
             if remaining < MIN_READ_SPACE {
-                this.read_buf.reserve(HW_BUFFER_SIZE - remaining);
+                let step = this
+                    .read_buf
+                    .capacity()
+                    .clamp(LW_BUFFER_SIZE, HW_BUFFER_SIZE);
+                this.read_buf.reserve(step);
             }
 
             match tokio_util::io::poll_read_buf(io.as_mut(), cx, this.read_buf) {

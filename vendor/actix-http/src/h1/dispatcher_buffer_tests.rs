@@ -122,7 +122,8 @@ async fn check_buffer_retention(body_len: usize, threshold: usize, partial: bool
         else {
             panic!()
         };
-        assert!(inner.project().write_buf.try_reclaim(HW_BUFFER_SIZE));
+        // posthorn patch 6: the drained buffer is a new one of LW_BUFFER_SIZE.
+        assert!(inner.project().write_buf.try_reclaim(LW_BUFFER_SIZE));
     }
 
     let DispatcherState::Normal { inner } = &dispatcher.inner else {
@@ -200,13 +201,13 @@ async fn configured_write_buffer_released_after_flush() {
 }
 
 #[actix_rt::test]
-async fn small_write_watermark_preserves_normal_buffer() {
-    // A small watermark must not lower the 128 KiB retention limit.
-    check_buffer_retention(64 * 1024, 8 * 1024, false, false).await;
+async fn small_write_watermark_releases_buffer_above_hw() {
+    // posthorn patch 6: the retention limit is HW_BUFFER_SIZE whatever the watermark.
+    check_buffer_retention(64 * 1024, 8 * 1024, false, true).await;
 }
 
 #[actix_rt::test]
 async fn buffer_above_configured_write_watermark_released() {
-    // A larger watermark sets the limit directly; it is not multiplied by four.
+    // posthorn patch 6: a larger watermark does not raise the retention limit.
     check_buffer_retention(512 * 1024, 256 * 1024, false, true).await;
 }
