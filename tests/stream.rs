@@ -416,9 +416,8 @@ async fn chunk_sizes_are_canonical_hex_on_the_wire() {
     }
     let text = String::from_utf8_lossy(&payload);
     for (index, size) in sizes.iter().enumerate() {
-        let data = format!("data: {index}{}\n", "x".repeat(size - 1));
         assert!(
-            text.contains(&data),
+            text.contains(&format!("data: {}\n", data_of(index))),
             "event {index} of {size} bytes missing"
         );
     }
@@ -506,16 +505,27 @@ async fn empty_payload_is_delivered() {
     );
 }
 
-/// Writes `bytes` 100 at a time with a pause after each piece (and `TCP_NODELAY`), so the pieces
-/// most likely arrive, and are read, one by one.
-async fn write_in_pieces(socket: &mut tokio::net::TcpStream, bytes: &[u8]) {
+/// Opens a connection and sends `request` 100 bytes at a time with a pause after each piece (and
+/// `TCP_NODELAY`), so the pieces most likely arrive, and are read, one by one. Returns the socket,
+/// the response head and the bytes read after it.
+async fn request_in_pieces(
+    hub: &Hub,
+    request: &[u8],
+) -> (tokio::net::TcpStream, http::ResponseHead, Vec<u8>) {
     use tokio::io::AsyncWriteExt;
 
+    let mut socket = tokio::net::TcpStream::connect(hub.addr()).await.unwrap();
     socket.set_nodelay(true).unwrap();
-    for piece in bytes.chunks(100) {
+    for piece in request.chunks(100) {
         socket.write_all(piece).await.unwrap();
         tokio::time::sleep(Duration::from_millis(1)).await;
     }
+    let mut after_head = Vec::new();
+    let head = tokio::time::timeout(WAIT, http::read_head(&mut socket, &mut after_head))
+        .await
+        .expect("a response head within the wait")
+        .unwrap();
+    (socket, head, after_head)
 }
 
 /// Requests that arrive in small pieces and outgrow a connection's first read buffer are read
@@ -530,7 +540,6 @@ async fn requests_arriving_in_pieces_beyond_the_first_read_buffer_are_read_whole
 
     let hub = Hub::builder().start().await;
     let padding = "p".repeat(3 * 1024);
-    let mut stream = tokio::net::TcpStream::connect(hub.addr()).await.unwrap();
     let request = http::encode_request(
         hub.addr(),
         "GET",
@@ -538,17 +547,11 @@ async fn requests_arriving_in_pieces_beyond_the_first_read_buffer_are_read_whole
         &[("Accept", "text/event-stream"), ("X-Padding", &padding)],
         None,
     );
-    write_in_pieces(&mut stream, &request).await;
-    let mut wire = Vec::new();
-    let head = tokio::time::timeout(WAIT, http::read_head(&mut stream, &mut wire))
-        .await
-        .expect("a stream head within the wait")
-        .unwrap();
+    let (mut stream, head, wire) = request_in_pieces(&hub, &request).await;
     assert_eq!(head.status, 200);
 
     let data = "d".repeat(20 * 1024);
     let body = serde_json::to_vec(&json!({ "device": "pos-pieces", "data": data })).unwrap();
-    let mut publisher = tokio::net::TcpStream::connect(hub.addr()).await.unwrap();
     let request = http::encode_request(
         hub.addr(),
         "POST",
@@ -559,12 +562,7 @@ async fn requests_arriving_in_pieces_beyond_the_first_read_buffer_are_read_whole
         ],
         Some(&body),
     );
-    write_in_pieces(&mut publisher, &request).await;
-    let mut answer = Vec::new();
-    let published = tokio::time::timeout(WAIT, http::read_head(&mut publisher, &mut answer))
-        .await
-        .expect("a publish answer within the wait")
-        .unwrap();
+    let (_publisher, published, _) = request_in_pieces(&hub, &request).await;
     assert_eq!(published.status, 201);
 
     let mut framing = http::BodyFraming::for_response("GET", &head).unwrap();

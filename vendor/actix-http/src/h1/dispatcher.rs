@@ -375,9 +375,7 @@ where
         // broadcasts) kept the 32 to 96 KiB its write buffer had grown to for the rest of its
         // life, while it idles. A new allocation after a flush of more than 8 KiB costs little
         // next to that write.
-        let retention_limit = HW_BUFFER_SIZE;
-
-        if write_buf.capacity() > retention_limit {
+        if write_buf.capacity() > HW_BUFFER_SIZE {
             // Needs stored flag because `write_buf.advance(n)` reduces reported capacity without
             // releasing the backing allocation.
             *write_buf_needs_reset = true;
