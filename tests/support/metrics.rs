@@ -54,7 +54,8 @@ pub async fn scrape(addr: SocketAddr) -> Scrape {
 }
 
 /// Polls `GET /metrics` until the samples named `name` with `labels` add up to at least `value`;
-/// panics with the last value after `timeout`.
+/// panics after `timeout` with the last value and every sample of the same family (the name up
+/// to its first `_`, e.g. all `sse_*`), which tells where what was waited for went.
 pub async fn wait_for(
     addr: SocketAddr,
     name: &str,
@@ -64,14 +65,21 @@ pub async fn wait_for(
 ) {
     let deadline = tokio::time::Instant::now() + timeout;
     loop {
-        let current = scrape(addr).await.value_or_zero(name, labels);
+        let scrape = scrape(addr).await;
+        let current = scrape.value_or_zero(name, labels);
         if current >= value {
             return;
         }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "{name}{labels:?} stayed at {current}, expected {value}"
-        );
+        if tokio::time::Instant::now() >= deadline {
+            let family = name.split('_').next().unwrap_or(name);
+            let related: Vec<String> = scrape
+                .samples
+                .iter()
+                .filter(|sample| sample.name.starts_with(family))
+                .map(|sample| format!("{}{:?} {}", sample.name, sample.labels, sample.value))
+                .collect();
+            panic!("{name}{labels:?} stayed at {current}, expected {value}; {related:#?}");
+        }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
