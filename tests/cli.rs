@@ -149,6 +149,30 @@ async fn invalid_duration_exits_64() {
     assert_config_error(&[], &["--config", path], "drain.retry_max").await;
 }
 
+/// Bug pinned (issue 19.11): a huge `drain.retry_max` was accepted and cast to a `u32` of
+/// milliseconds (a value past 49 days wrapped, and a wrapped range below `retry_min` panicked in
+/// the drain); `redis.block = 0s` was accepted although Redis reads it as "block forever", past
+/// every client timeout. Both now stop start-up naming the key.
+#[tokio::test]
+async fn values_the_hub_cannot_honour_exit_64() {
+    assert_config_error(
+        &[("POSTHORN_DRAIN__RETRY_MAX", "2000h")],
+        &[],
+        "drain.retry_max",
+    )
+    .await;
+    assert_config_error(
+        &[
+            ("POSTHORN_DRAIN__RETRY_MIN", "2000h"),
+            ("POSTHORN_DRAIN__RETRY_MAX", "2000h"),
+        ],
+        &[],
+        "drain.retry_min",
+    )
+    .await;
+    assert_config_error(&[("POSTHORN_REDIS__BLOCK", "0s")], &[], "redis.block").await;
+}
+
 /// A missing `--config` file exits 64 naming the file.
 #[tokio::test]
 async fn missing_config_file_exits_64() {

@@ -203,9 +203,43 @@ async fn drain_retry_is_honoured() {
     assert_eq!(drain.status, 202);
     let err = tail.wait_stderr("reconnecting in").await;
     let delay = reconnect_delays(&err)[0];
+    // The drain's retry, plus the client's own jitter of up to 100 % of it.
     assert!(
-        (2000..=3000).contains(&delay),
+        (2000..=6000).contains(&delay),
         "reconnect delay {delay} ms ignores the drain's retry"
+    );
+}
+
+/// Bug pinned (issue 19.9): after a healthy connection the tail waited exactly `retry`, so every
+/// terminal of a pod that crashed came back in the same instant. Now it waits `retry` plus a
+/// random 0-100 % of it: four tails told the same `retry: 1000` spread over [1 s, 2 s].
+#[tokio::test]
+async fn the_first_reconnect_after_a_healthy_connection_is_jittered() {
+    let hub = Hub::builder()
+        .env("POSTHORN_DRAIN__RETRY_MIN", "1s")
+        .env("POSTHORN_DRAIN__RETRY_MAX", "1s")
+        .start()
+        .await;
+    let tails: Vec<Tail> = (0..4)
+        .map(|i| Tail::start(&hub.base_url(), &format!("pos-{i}"), &[]))
+        .collect();
+    for tail in &tails {
+        tail.wait_stderr("connected").await;
+    }
+    let drain = http::request(hub.addr(), "POST", "/admin/drain?exit=false", &[], None).await;
+    assert_eq!(drain.status, 202);
+    let mut delays = Vec::new();
+    for tail in &tails {
+        let err = tail.wait_stderr("reconnecting in").await;
+        delays.push(reconnect_delays(&err)[0]);
+    }
+    assert!(
+        delays.iter().all(|delay| (1000..=2000).contains(delay)),
+        "{delays:?}"
+    );
+    assert!(
+        delays.iter().any(|delay| *delay != delays[0]),
+        "four tails reconnect at the same moment: {delays:?}"
     );
 }
 

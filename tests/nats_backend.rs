@@ -489,3 +489,86 @@ fn shard_key_prints_the_subject() {
         format!("shard={0} subject=pos.events.{0}", shard("pos-17"))
     );
 }
+
+/// Bug pinned (issue 19.1): a stream opened with a cursor dropped the tail's `resync` and, since
+/// a new stream restarts at sequence 1, every later event below the old cursor: it received
+/// nothing for the rest of its life while heartbeats kept it looking healthy. Now it gets
+/// `data_lost` within 10 s, then the new stream's events.
+#[tokio::test]
+async fn a_resumed_stream_hears_of_a_recreated_stream() {
+    let Some(nats) = NatsServer::start().await else {
+        return;
+    };
+    let hub = nats_hub(&nats.url()).start().await;
+    // A cursor well above the first sequences of the new stream.
+    for i in 0..20 {
+        publish_to(&hub, "pos-8", &format!("before {i}")).await;
+    }
+    let cursor = publish_to(&hub, "pos-8", "before last").await;
+    let mut resumed = SseClient::connect(
+        hub.addr(),
+        &stream_path("pos-8"),
+        &[("Last-Event-ID", &cursor)],
+    )
+    .await;
+    assert_eq!(resumed.status(), 200);
+    // Past its (empty) replay: a stream that is deleted while it is replayed fails the replay,
+    // and the client comes back (to a `data_lost` resume).
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    nats.jetstream().await.delete_stream(STREAM).await.unwrap();
+    let event = resumed.expect_event(Duration::from_secs(10)).await;
+    assert_eq!(resync_reason(&event), "data_lost");
+    let id = publish_to(&hub, "pos-8", "after").await;
+    eprintln!(
+        "DEBUG after id {id} state {:?}",
+        stream_state(&nats.jetstream().await).await
+    );
+    assert_eq!(resumed.expect_event(WAIT).await.data, "after");
+}
+
+/// A nats-server that restarts without its store lost the stream: connected and resumed streams
+/// get `data_lost`, a cursor from before gets `data_lost` on resume, and delivery goes on.
+#[tokio::test]
+async fn a_restart_without_the_store_gives_data_lost() {
+    let Some(mut nats) = NatsServer::start().await else {
+        return;
+    };
+    let hub = nats_hub(&nats.url()).start().await;
+    let mut connected = live_stream(&hub, "pos-6").await;
+    let cursor = publish_to(&hub, "pos-6", "before").await;
+    assert_eq!(connected.expect_event(WAIT).await.data, "before");
+    let other = publish_to(&hub, "pos-7", "before").await;
+    let mut resumed = SseClient::connect(
+        hub.addr(),
+        &stream_path("pos-7"),
+        &[("Last-Event-ID", &other)],
+    )
+    .await;
+    nats.stop().await;
+    std::fs::remove_dir_all(nats.dir().join("store")).expect("remove the store");
+    nats.start_again().await;
+    for client in [&mut connected, &mut resumed] {
+        let event = client.expect_event(Duration::from_secs(15)).await;
+        assert_eq!(resync_reason(&event), "data_lost");
+    }
+    let mut back = SseClient::connect(
+        hub.addr(),
+        &stream_path("pos-6"),
+        &[("Last-Event-ID", &cursor)],
+    )
+    .await;
+    assert_eq!(resync_reason(&back.expect_event(WAIT).await), "data_lost");
+    publish_to(&hub, "pos-6", "after").await;
+    assert_eq!(back.expect_event(WAIT).await.data, "after");
+}
+
+/// Bug pinned (issue 19.6), NATS: a broadcast's copies used message ids `{key}:{shard}`, so a
+/// later unicast with key `k:3` was answered `duplicate` and never appended.
+#[tokio::test]
+async fn idempotency_keys_are_scoped_to_their_target() {
+    let Some(nats) = NatsServer::start().await else {
+        return;
+    };
+    let hub = nats_hub(&nats.url()).start().await;
+    support::conformance::idempotency_keys_are_scoped_to_their_target(&hub).await;
+}

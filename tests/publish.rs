@@ -914,3 +914,11 @@ async fn oversized_body_counts_as_rejected() {
         1.0
     );
 }
+
+/// Bug pinned (issue 19.6), memory backend: a key was global, so the same key used for another
+/// device or for a broadcast was answered `duplicate` and never appended.
+#[tokio::test]
+async fn idempotency_keys_are_scoped_to_their_target() {
+    let hub = Hub::builder().start().await;
+    support::conformance::idempotency_keys_are_scoped_to_their_target(&hub).await;
+}

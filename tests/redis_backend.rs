@@ -525,3 +525,328 @@ async fn entries_trimmed_during_an_outage_give_resync() {
         "what remains is delivered"
     );
 }
+
+// ---------------------------------------------------------------------------------------------
+// Data loss the epoch key does not see (issue 19). Every open stream of an affected shard gets
+// one `resync` `data_lost` within 10 s of the loss, then live events; a cursor from before the
+// loss gets `data_lost` on resume.
+// ---------------------------------------------------------------------------------------------
+
+/// How long a client may wait for the resync that reports a loss (SPEC: within 10 s).
+const LOSS_NOTICE: Duration = Duration::from_secs(10);
+
+/// Opens the stream of `device` resuming after `cursor`.
+async fn resume(hub: &Hub, device: &str, cursor: &str) -> SseClient {
+    let client = SseClient::connect(
+        hub.addr(),
+        &stream_path(device),
+        &[("Last-Event-ID", cursor)],
+    )
+    .await;
+    assert_eq!(client.status(), 200);
+    client
+}
+
+/// Skips events published before the loss that the client may still receive, and returns the
+/// resync; fails if none arrives within [`LOSS_NOTICE`].
+async fn expect_resync(client: &mut SseClient) -> SseEvent {
+    let deadline = tokio::time::Instant::now() + LOSS_NOTICE;
+    loop {
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        match client.next_event(left).await {
+            SseNext::Event(event) if event.event == "resync" => return event,
+            SseNext::Event(event) => {
+                assert!(
+                    event.data.starts_with("before"),
+                    "an event after the loss came first: {event:?}"
+                )
+            }
+            other => panic!("no resync within {LOSS_NOTICE:?}: {other:?}"),
+        }
+    }
+}
+
+/// Bug pinned (issue 19.1): a stream opened *with* a cursor dropped the tail's `resync` (its id is
+/// the new head, below the cursor) and every later event below the old cursor, so a FLUSHALL went
+/// unnoticed by resumed streams. Now the resumed stream gets `data_lost`, then new events.
+#[tokio::test]
+async fn a_resumed_stream_hears_of_a_flushall() {
+    let redis = RedisServer::start().await;
+    let hub = redis_hub(&redis.url()).start().await;
+    publish_to(&hub, "pos-1", "before 1").await;
+    let cursor = publish_to(&hub, "pos-1", "before 2").await;
+    let mut resumed = resume(&hub, "pos-1", &cursor).await;
+    redis.client().await.flushall().await;
+    assert_eq!(
+        resync_reason(&expect_resync(&mut resumed).await),
+        "data_lost"
+    );
+    publish_to(&hub, "pos-1", "after").await;
+    assert_eq!(resumed.expect_event(WAIT).await.data, "after");
+    let scrape = metrics::scrape(hub.addr()).await;
+    assert_eq!(
+        scrape.value("sse_resyncs_total", &[("reason", "data_lost")]),
+        Some(1.0),
+        "issue 19.7: a resync found by a tail is counted like any other"
+    );
+}
+
+/// Bug pinned (issue 19.2): a stream deleted and re-created by the next XADD kept the group's
+/// epoch key, so a cursor from before replayed what was left and skipped the lost events, and
+/// connected clients were never told. Now both get `data_lost`.
+#[tokio::test]
+async fn a_deleted_stream_gives_data_lost() {
+    let redis = RedisServer::start().await;
+    let hub = redis_hub(&redis.url()).start().await;
+    let mut connected = live_stream(&hub, "pos-2").await;
+    let cursor = publish_to(&hub, "pos-2", "before 1").await;
+    publish_to(&hub, "pos-2", "before 2").await;
+    connected.expect_events(2, WAIT).await;
+    let key = format!("pos-ev:{}", crc_shard("pos-2", 64));
+    let mut producer = redis.client().await;
+    assert_eq!(producer.cmd(&["DEL", &key]).await.as_int(), Some(1));
+    // An external producer's XADD creates the stream again.
+    producer
+        .xadd(&key, &[("dev", "pos-2"), ("data", "new life 1")])
+        .await;
+    let resync = expect_resync(&mut connected).await;
+    assert_eq!(resync_reason(&resync), "data_lost");
+    // The new life's events follow the resync, from its first one on.
+    assert_eq!(connected.expect_event(WAIT).await.data, "new life 1");
+    publish_to(&hub, "pos-2", "new life 2").await;
+    assert_eq!(connected.expect_event(WAIT).await.data, "new life 2");
+    // The device comes back with its cursor from before the loss (this replaces `connected`).
+    let mut back = resume(&hub, "pos-2", &cursor).await;
+    assert_eq!(resync_reason(&back.expect_event(WAIT).await), "data_lost");
+    publish_to(&hub, "pos-2", "new life 3").await;
+    assert_eq!(back.expect_event(WAIT).await.data, "new life 3");
+}
+
+/// Bug pinned (issue 19.2): a Redis that restarts from an older RDB snapshot keeps the epoch key
+/// it had then, and the streams went back in time: cursors from after the snapshot replayed
+/// whatever came next, cursors from before it replayed past the lost events, and the tail never
+/// noticed that a stream's last id went backwards. Now all of them get `data_lost`.
+#[tokio::test]
+async fn a_restart_from_an_older_snapshot_gives_data_lost() {
+    let mut redis = RedisServer::start().await;
+    let hub = redis_hub(&redis.url()).start().await;
+    let before_snapshot = publish_to(&hub, "pos-3", "before 1").await;
+    let mut admin = redis.client().await;
+    assert!(admin.cmd(&["SAVE"]).await.is_ok());
+    let snapshot = redis.dir().join("older.rdb");
+    std::fs::copy(redis.dir().join("dump.rdb"), &snapshot).expect("copy the snapshot");
+    let mut connected = live_stream(&hub, "pos-3").await;
+    let after_snapshot = publish_to(&hub, "pos-3", "before 2").await;
+    publish_to(&hub, "pos-3", "before 3").await;
+    connected.expect_events(2, WAIT).await;
+
+    redis.stop().await;
+    std::fs::copy(&snapshot, redis.dir().join("dump.rdb")).expect("restore the snapshot");
+    redis.start_again().await;
+    assert_eq!(
+        resync_reason(&expect_resync(&mut connected).await),
+        "data_lost"
+    );
+    publish_to(&hub, "pos-3", "new life 1").await;
+    assert_eq!(connected.expect_event(WAIT).await.data, "new life 1");
+    // The device comes back with a cursor from before the loss (each replaces the stream
+    // before it), whether its entry survived in the snapshot or not.
+    for cursor in [&before_snapshot, &after_snapshot] {
+        let mut back = resume(&hub, "pos-3", cursor).await;
+        assert_eq!(
+            resync_reason(&back.expect_event(WAIT).await),
+            "data_lost",
+            "cursor {cursor}"
+        );
+        publish_to(&hub, "pos-3", "new life 2").await;
+        assert_eq!(back.expect_event(WAIT).await.data, "new life 2");
+    }
+}
+
+/// Bug pinned (issue 19.6), Redis: keys were remembered per node group (a unicast after a
+/// broadcast with the same key was a duplicate in group 0 only), and a duplicate's id was rebuilt
+/// with the new item's shard.
+#[tokio::test]
+async fn idempotency_keys_are_scoped_to_their_target() {
+    let redis = RedisServer::start().await;
+    let hub = redis_hub(&redis.url()).start().await;
+    support::conformance::idempotency_keys_are_scoped_to_their_target(&hub).await;
+}
+
+/// libfaketime, which runs a hub with its wall clock shifted (Debian package `libfaketime`,
+/// installed by scripts/test).
+fn libfaketime() -> String {
+    let found = [
+        "/usr/lib/x86_64-linux-gnu",
+        "/usr/lib/aarch64-linux-gnu",
+        "/usr/lib",
+    ]
+    .iter()
+    .map(|dir| format!("{dir}/faketime/libfaketimeMT.so.1"))
+    .find(|path| std::path::Path::new(path).is_file());
+    found.expect(
+        "libfaketime is not installed (Debian package libfaketime; scripts/test installs it)",
+    )
+}
+
+/// Bug pinned (issue 19.10): retention was applied with the pod's clock against Redis ids, which
+/// carry Redis' clock: a pod whose clock ran ahead by more than the retention trimmed what it had
+/// just acknowledged. A pod an hour ahead now keeps every event of a 15-minute window, for live
+/// clients and for resumes alike.
+#[tokio::test]
+async fn retention_follows_the_redis_clock() {
+    let redis = RedisServer::start().await;
+    let hub = redis_hub(&redis.url())
+        .env("LD_PRELOAD", libfaketime())
+        .env("FAKETIME", "+1h")
+        // Timers and timeouts keep the real pace; only the wall clock is off.
+        .env("FAKETIME_DONT_FAKE_MONOTONIC", "1")
+        .env("POSTHORN_REDIS__RETENTION", "15m")
+        .start()
+        .await;
+    let mut client = live_stream(&hub, "pos-5").await;
+    let first = publish_to(&hub, "pos-5", "1").await;
+    publish_to(&hub, "pos-5", "2").await;
+    publish_to(&hub, "pos-5", "3").await;
+    let live: Vec<String> = client
+        .expect_events(3, WAIT)
+        .await
+        .into_iter()
+        .map(|event| event.data)
+        .collect();
+    assert_eq!(live, ["1", "2", "3"]);
+    let mut resumed = resume(&hub, "pos-5", &first).await;
+    let replayed: Vec<String> = resumed
+        .expect_events(2, WAIT)
+        .await
+        .into_iter()
+        .map(|event| event.data)
+        .collect();
+    assert_eq!(replayed, ["2", "3"], "nothing was trimmed");
+    let key = format!("pos-ev:{}", crc_shard("pos-5", 64));
+    assert_eq!(redis.client().await.xlen(&key).await, 3);
+}
+
+/// A device on the `group`-th half of 64 shards split over two instances.
+fn device_in_group(group: u32) -> String {
+    (0..)
+        .map(|i| format!("d-{i}"))
+        .find(|device| crc_shard(device, 64) / 32 == group)
+        .expect("some device lands in each half")
+}
+
+/// Bug pinned (issue 19.5): a batch that failed after part of it was appended (one of two
+/// `redis.urls` down) answered a bare 503, so the producer's retry appended the first part again
+/// (items without keys) and a broadcast could stay on half the shards. Now the answer is 207 and
+/// names per item the id of what was appended and an error for what was not; retrying the batch
+/// with its keys completes it without appending anything twice.
+#[tokio::test]
+async fn a_half_appended_batch_names_each_item() {
+    let first = RedisServer::start().await;
+    // With AOF: what the second instance has survives its outage.
+    let mut second = RedisServer::builder().appendonly(true).start().await;
+    let hub = Hub::builder()
+        .env("POSTHORN_BACKEND__KIND", "redis")
+        .env(
+            "POSTHORN_REDIS__URLS",
+            format!("{},{}", first.url(), second.url()),
+        )
+        .env("POSTHORN_REDIS__BLOCK", "1s")
+        .start()
+        .await;
+    let (up, down) = (device_in_group(0), device_in_group(1));
+    let mut up_client = live_stream(&hub, &up).await;
+    let mut down_client = live_stream(&hub, &down).await;
+    let batch = json!([
+        {"device": up, "data": "up", "key": "a"},
+        {"device": down, "data": "down", "key": "b"},
+        {"broadcast": true, "data": "all", "key": "c"},
+    ]);
+    second.stop().await;
+    let response = publish(&hub, batch.clone()).await;
+    assert_eq!(response.status, 207, "{}", response.text());
+    let results = response.json()["results"].clone();
+    let appended = results[0]["id"]
+        .as_str()
+        .expect("the first item was appended")
+        .to_string();
+    assert_eq!(results[0]["duplicate"], false);
+    for failed in [&results[1], &results[2]] {
+        assert!(failed.get("id").is_none(), "{results}");
+        assert!(failed["error"].is_string(), "{results}");
+        assert!(failed["message"].is_string(), "{results}");
+    }
+    let up_events: Vec<String> = up_client
+        .expect_events(2, WAIT)
+        .await
+        .into_iter()
+        .map(|event| event.data)
+        .collect();
+    assert_eq!(
+        up_events,
+        ["up", "all"],
+        "what was appended is delivered at once"
+    );
+
+    second.start_again().await;
+    let deadline = tokio::time::Instant::now() + WAIT;
+    let retried = loop {
+        let response = publish(&hub, batch.clone()).await;
+        if response.status == 201 {
+            break response.json()["results"].clone();
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{}",
+            response.text()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert_eq!(retried[0]["duplicate"], true);
+    assert_eq!(retried[0]["id"], appended.as_str());
+    assert_eq!(retried[1]["duplicate"], false);
+    let down_events: Vec<String> = down_client
+        .expect_events(2, WAIT)
+        .await
+        .into_iter()
+        .map(|event| event.data)
+        .collect();
+    assert_eq!(down_events, ["down", "all"]);
+    for client in [&mut up_client, &mut down_client] {
+        assert!(matches!(
+            client.next_event(Duration::from_millis(500)).await,
+            SseNext::Timeout
+        ));
+    }
+}
+
+/// A stream's life is named by a consumer group on the stream itself (`posthorn:epoch:<epoch>`,
+/// docs/stream-format.md); losing that name is a loss too: connected clients get `data_lost`,
+/// and so does a cursor from before.
+#[tokio::test]
+async fn a_lost_epoch_marker_gives_data_lost() {
+    let redis = RedisServer::start().await;
+    let hub = redis_hub(&redis.url()).start().await;
+    let mut connected = live_stream(&hub, "pos-4").await;
+    let cursor = publish_to(&hub, "pos-4", "before").await;
+    connected.expect_event(WAIT).await;
+    let epoch = cursor.split('.').next().unwrap();
+    let key = format!("pos-ev:{}", crc_shard("pos-4", 64));
+    let mut admin = redis.client().await;
+    let destroyed = admin
+        .cmd(&[
+            "XGROUP",
+            "DESTROY",
+            &key,
+            &format!("posthorn:epoch:{epoch}"),
+        ])
+        .await;
+    assert_eq!(destroyed.as_int(), Some(1), "{destroyed:?}");
+    assert_eq!(
+        resync_reason(&expect_resync(&mut connected).await),
+        "data_lost"
+    );
+    drop(connected);
+    let mut back = resume(&hub, "pos-4", &cursor).await;
+    assert_eq!(resync_reason(&back.expect_event(WAIT).await), "data_lost");
+}

@@ -1,7 +1,9 @@
-//! Every end of a connection, and every reason for a resync, as enums: logs, metric labels and
-//! tests use exactly these.
+//! Every end of a connection as an enum: logs, metric labels and tests use exactly these (the
+//! reasons for a resync are [`ResyncReason`], in the model).
 
 use std::fmt;
+
+pub use crate::model::ResyncReason;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum CloseReason {
@@ -40,32 +42,5 @@ impl CloseReason {
 impl fmt::Display for CloseReason {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.label())
-    }
-}
-
-/// Why a client's cursor could not be resumed (the `reason` of `event: resync`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum ResyncReason {
-    /// Older than the retained window: events after it were trimmed.
-    Expired,
-    /// Not a cursor of this deployment (unparsable, wrong shard, in the future).
-    Invalid,
-    /// From another life of the stored data: the backend lost what the cursor points into.
-    DataLost,
-}
-
-impl ResyncReason {
-    pub const ALL: [ResyncReason; 3] = [
-        ResyncReason::Expired,
-        ResyncReason::Invalid,
-        ResyncReason::DataLost,
-    ];
-
-    pub fn label(self) -> &'static str {
-        match self {
-            ResyncReason::Expired => "expired",
-            ResyncReason::Invalid => "invalid",
-            ResyncReason::DataLost => "data_lost",
-        }
     }
 }

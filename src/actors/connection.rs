@@ -12,15 +12,19 @@
 //! the backend after that moment reaches the Router behind it (a tail reads it later, and the
 //! mailbox is FIFO), so a client that has seen the first bytes misses nothing, and the stream
 //! costs no round trip to the Router's thread.
-//! Resume: once registered, replays the backlog after the cursor page by page, then the body
-//! switches to the live queue and skips what was replayed.
+//! Resume: once registered, replays the backlog after the cursor page by page, then ends the
+//! replay with `ReplayEnd` and the body switches to the live queue, skipping what was replayed.
+//! A replay that finds the data lost on its way (a page of another life) tells the client
+//! `resync` `data_lost` at the new life's start and replays that life from there.
 //! Backpressure: the Router `try_send`s into the queue; full → `CloseReason::SlowConsumer`, and
-//! the socket is shut at once (see `sse::socket`). Replay pages wait on the replay channel, i.e.
+//! the socket is shut at once (see `sse::control`). Replay pages wait on the replay channel, i.e.
 //! on the client's reading speed, while live events accumulate in the bounded queue.
 //! Drain: `AnnounceRetry(ms)` queues `retry: ms` at once and keeps it for the close; later
-//! `Close { Drain }` drops this actor's queue sender and stops it (which unregisters it from the
-//! Router): the body writes everything already queued, then `retry: ms` again, then ends the
-//! response, and the TCP connection is closed.
+//! `Close { Drain }` leaves the Router, drops this actor's queue sender and stops a replay in
+//! progress (the body then ends after what was replayed: nothing live may follow a cut replay).
+//! The body writes everything already queued, then `retry: ms` again, then ends the response.
+//! A client that does not take it within the close's flush time, or takes nothing for
+//! [`DRAIN_STALL`], is cut off: a stopped reader must not hold the drain.
 
 use std::{
     rc::Rc,
@@ -28,27 +32,27 @@ use std::{
         atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering},
         Arc,
     },
+    time::{Duration, Instant},
 };
 
 use actix::prelude::*;
-use bytes::Bytes;
 use thiserror::Error;
 use tokio::sync::mpsc;
 
 use super::{
-    close_reason::{CloseReason, ResyncReason},
+    close_reason::CloseReason,
     membership::{Joined, Membership, Outbox, RouterGone},
     router::{Register, Unregister},
 };
 use crate::{
     backend::{Backend, BackendError},
     metrics::Metrics,
-    model::{Cursor, DeviceId},
+    model::{Cursor, DeviceId, ResyncReason},
     sse::{
         body::SseBody,
         control::StreamControl,
         frame,
-        queue::{self, QueueSender},
+        queue::{self, QueueProbe, QueueSender},
         QueueItem,
     },
 };
@@ -57,16 +61,35 @@ use crate::{
 const REPLAY_PAGE: usize = 500;
 /// Replayed frames buffered ahead of the client; replay waits when the client reads slowly.
 const REPLAY_BUFFER: usize = 64;
+/// How often a connection closed for a drain looks at its client's progress.
+const FLUSH_CHECK: Duration = Duration::from_millis(250);
+/// A client closed for a drain that takes nothing for this long (or for `sse.stall_timeout`, if
+/// shorter) is cut off: it resumes elsewhere from its last id, so waiting only delays the drain.
+const DRAIN_STALL: Duration = Duration::from_secs(2);
 
 #[derive(Message, Debug, Clone, Copy)]
 #[rtype(result = "()")]
 pub struct Close {
     pub reason: CloseReason,
+    /// For a drain: how long the client may take to receive what is queued before it is cut off.
+    pub flush_within: Duration,
 }
 
 impl Close {
+    /// Ends the stream without waiting for the client.
     pub fn now(reason: CloseReason) -> Self {
-        Self { reason }
+        Self {
+            reason,
+            flush_within: Duration::ZERO,
+        }
+    }
+
+    /// A drain's close: what is queued is written first, within `flush_within`.
+    pub fn drain(flush_within: Duration) -> Self {
+        Self {
+            reason: CloseReason::Drain,
+            flush_within,
+        }
     }
 }
 
@@ -164,6 +187,8 @@ pub struct OpenStream {
     pub cursor: Option<String>,
     pub queue_limit: usize,
     pub retry_ms: u32,
+    /// A client whose queued frames wait this long without progress is stalled (zero: never).
+    pub stall_timeout: Duration,
     /// The TCP socket's fd, when the server recorded it.
     pub socket_fd: Option<std::os::fd::RawFd>,
 }
@@ -186,6 +211,12 @@ pub struct Connection {
     queue: Option<QueueSender>,
     /// Cursor and replay sender, taken when the actor starts.
     resume: Option<(String, mpsc::Sender<QueueItem>)>,
+    /// The replay while it runs, so a drain can stop it.
+    replaying: Option<SpawnHandle>,
+    /// Watches the client's progress after our sender is gone (a drain's flush).
+    probe: QueueProbe,
+    /// `sse.stall_timeout`: a drain's flush gives up on a client that long without progress.
+    stall_timeout: Duration,
     /// Resolves when the Router has our registration queued: the replay must not start earlier.
     joined: Joined,
     control: Arc<StreamControl>,
@@ -253,8 +284,11 @@ impl Connection {
             id,
             device: stream.device,
             shard: stream.shard,
+            probe: queue.probe(),
+            stall_timeout: stream.stall_timeout,
             queue: Some(queue),
             resume,
+            replaying: None,
             joined: joined.clone(),
             control,
             outbox,
@@ -272,6 +306,44 @@ impl Connection {
         self.closing.get_or_insert(reason);
         self.queue = None;
         self.control.abort();
+    }
+
+    fn leave_router(&self) {
+        self.outbox.leave(Unregister {
+            device: self.device.clone(),
+            shard: self.shard,
+            connection_id: self.id,
+        });
+    }
+
+    /// A drain's close: the body writes what is queued and ends; this actor stays until the body
+    /// is gone, and cuts the client off if it does not take what is left in time.
+    fn drain(&mut self, flush_within: Duration, ctx: &mut Context<Self>) {
+        self.closing = Some(CloseReason::Drain);
+        self.leave_router();
+        if let Some(replay) = self.replaying.take() {
+            ctx.cancel_future(replay);
+        }
+        self.queue = None;
+        let deadline = Instant::now() + flush_within;
+        let patience = match self.stall_timeout {
+            Duration::ZERO => DRAIN_STALL,
+            stall_timeout => stall_timeout.min(DRAIN_STALL),
+        };
+        ctx.run_interval(FLUSH_CHECK, move |connection, ctx| {
+            let stalled = connection
+                .probe
+                .stalled_for(Instant::now())
+                .is_some_and(|waited| waited >= patience);
+            if stalled || Instant::now() >= deadline {
+                log::debug!(
+                    "stream of {} cut off: its client did not take what was left",
+                    connection.device
+                );
+                connection.control.abort();
+                ctx.stop();
+            }
+        });
     }
 }
 
@@ -297,30 +369,26 @@ impl Actor for Connection {
             joined.wait().await;
             replay_after(&*backend, &device, shard, &cursor, replay, &metrics).await
         };
-        ctx.spawn(
-            replay
-                .into_actor(self)
-                .map(|result, connection, ctx| match result {
-                    Ok(()) => {}
-                    Err(ResumeError::ClientGone) => {
-                        connection.closing.get_or_insert(CloseReason::Client);
-                        ctx.stop();
-                    }
-                    Err(error) => {
-                        log::warn!("stream of {} failed: {error}", connection.device);
-                        connection.abort(CloseReason::Error);
-                        ctx.stop();
-                    }
-                }),
-        );
+        let handle = ctx.spawn(replay.into_actor(self).map(
+            |result, connection, ctx| match result {
+                Ok(()) => connection.replaying = None,
+                Err(ResumeError::ClientGone) => {
+                    connection.closing.get_or_insert(CloseReason::Client);
+                    ctx.stop();
+                }
+                Err(error) => {
+                    log::warn!("stream of {} failed: {error}", connection.device);
+                    connection.abort(CloseReason::Error);
+                    ctx.stop();
+                }
+            },
+        ));
+        self.replaying = Some(handle);
     }
 
     fn stopped(&mut self, _: &mut Context<Self>) {
-        self.outbox.leave(Unregister {
-            device: self.device.clone(),
-            shard: self.shard,
-            connection_id: self.id,
-        });
+        // A second leave after a drain's is harmless: the Router checks the connection id.
+        self.leave_router();
         let reason = self.closing.unwrap_or(CloseReason::Client);
         log::debug!("stream of {} closed: {reason}", self.device);
         self.metrics.sse_connections.dec();
@@ -336,15 +404,12 @@ impl Handler<Close> for Connection {
         if self.closing.is_some() {
             return;
         }
-        if close.reason == CloseReason::Drain {
-            // Dropping our sender and leaving the Router (on stop) lets the body write everything
-            // already queued, then the closing retry announced earlier, then end.
-            self.closing = Some(CloseReason::Drain);
-            self.queue = None;
+        if close.reason == CloseReason::Drain && !close.flush_within.is_zero() {
+            self.drain(close.flush_within, ctx);
         } else {
             self.abort(close.reason);
+            ctx.stop();
         }
-        ctx.stop();
     }
 }
 
@@ -369,8 +434,8 @@ impl Handler<BodyDropped> for Connection {
     }
 }
 
-/// The resume of DESIGN 1: sends either every retained event of `device` after `cursor_text`,
-/// or one `resync` carrying the current head, through the replay channel.
+/// The resume: sends either every retained event of `device` after `cursor_text`, or one
+/// `resync`, through the replay channel, then `ReplayEnd`.
 async fn replay_after(
     backend: &dyn Backend,
     device: &DeviceId,
@@ -379,49 +444,69 @@ async fn replay_after(
     replay: mpsc::Sender<QueueItem>,
     metrics: &Metrics,
 ) -> Result<(), ResumeError> {
-    let state = backend.shard_state(shard).await?;
-    let verdict = match Cursor::parse(cursor_text) {
-        Err(_) => Err(ResyncReason::Invalid),
-        Ok(cursor) if cursor.shard != shard => Err(ResyncReason::Invalid),
-        Ok(cursor) if cursor.epoch != state.epoch => Err(ResyncReason::DataLost),
-        Ok(cursor) if cursor.position > state.head => Err(ResyncReason::Invalid),
-        Ok(cursor) if cursor.position < state.trimmed_through => Err(ResyncReason::Expired),
-        Ok(cursor) => Ok(cursor.position),
-    };
+    let cursor = Cursor::parse(cursor_text)
+        .ok()
+        .filter(|cursor| cursor.shard == shard);
+    let state = backend
+        .shard_state(shard, cursor.as_ref().map(|cursor| cursor.position))
+        .await?;
     let send = |item| async { replay.send(item).await.map_err(|_| ResumeError::ClientGone) };
-    let mut after = match verdict {
-        Ok(position) => position,
+    let verdict = match &cursor {
+        None => Err(ResyncReason::Invalid),
+        Some(cursor) => state.judge(cursor),
+    };
+    let (mut epoch, mut after) = match verdict {
+        Ok(position) => (state.epoch, position),
         Err(reason) => {
-            metrics.resync(reason);
-            let head = Cursor::new(state.epoch, shard, state.head);
-            return send(QueueItem::Event {
-                position: state.head,
-                frame: resync_frame(&head, reason),
-            })
-            .await;
+            // Only live events follow: from the head on.
+            send(resync(&Cursor::new(state.epoch, shard, state.head), reason)).await?;
+            return send(QueueItem::ReplayEnd).await;
         }
     };
-    send(QueueItem::Floor(after)).await?;
+    send(QueueItem::Floor {
+        epoch: epoch.id(),
+        position: after,
+    })
+    .await?;
     loop {
         let page = backend.read_after(shard, after, REPLAY_PAGE).await?;
-        for event in page.iter().filter(|event| event.target.reaches(device)) {
-            let id = Cursor::new(state.epoch.clone(), shard, event.position).to_string();
+        if page.epoch != epoch {
+            // Lost while replaying: the client moves to the start of the new life, whose events
+            // all follow (a tail that finds the same loss sends the same resync, which the body
+            // drops).
+            let state = backend.shard_state(shard, None).await?;
+            let start = Cursor::new(state.epoch, shard, state.start);
+            send(resync(&start, ResyncReason::DataLost)).await?;
+            (epoch, after) = (start.epoch, start.position);
+            continue;
+        }
+        for event in page
+            .events
+            .iter()
+            .filter(|event| event.target.reaches(device))
+        {
+            let id = Cursor::new(epoch.clone(), shard, event.position).to_string();
             send(QueueItem::Event {
+                epoch: epoch.id(),
                 position: event.position,
                 frame: frame::event(&id, event.event_type.as_str(), &event.data),
             })
             .await?;
             metrics.sse_replayed_events.inc();
         }
-        match page.last() {
-            Some(last) if page.len() == REPLAY_PAGE => after = last.position,
-            _ => return Ok(()),
+        match page.last {
+            Some(last) if page.read >= REPLAY_PAGE => after = last,
+            _ => return send(QueueItem::ReplayEnd).await,
         }
     }
 }
 
-/// `event: resync` with the position the client continues from as its `id:`.
-pub fn resync_frame(head: &Cursor, reason: ResyncReason) -> Bytes {
-    let data = format!("{{\"reason\":\"{}\"}}", reason.label());
-    frame::event(&head.to_string(), "resync", &data)
+/// `event: resync` telling the client to continue after `continue_after`.
+fn resync(continue_after: &Cursor, reason: ResyncReason) -> QueueItem {
+    QueueItem::Resync {
+        epoch: continue_after.epoch.id(),
+        position: continue_after.position,
+        reason,
+        frame: frame::resync(continue_after, reason),
+    }
 }

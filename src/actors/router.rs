@@ -35,7 +35,7 @@ use super::{
 };
 use crate::{
     metrics::{Metrics, RouteResult},
-    model::{DeviceId, Position, Target},
+    model::{DeviceId, EpochId, Position, ResyncReason, Target},
     sse::{
         queue::{QueueSender, TrySendError},
         QueueItem,
@@ -50,7 +50,18 @@ const STALL_SWEEP: Duration = Duration::from_secs(1);
 pub struct RoutedEvent {
     pub shard: u32,
     pub target: Target,
+    pub epoch: EpochId,
     pub position: Position,
+    pub frame: Bytes,
+}
+
+/// A framed `resync` for every connection of a shard whose tail saw a gap.
+#[derive(Debug, Clone)]
+pub struct RoutedResync {
+    pub shard: u32,
+    pub epoch: EpochId,
+    pub position: Position,
+    pub reason: ResyncReason,
     pub frame: Bytes,
 }
 
@@ -58,8 +69,8 @@ pub struct RoutedEvent {
 #[rtype(result = "()")]
 pub struct RouteBatch {
     pub events: Vec<RoutedEvent>,
-    /// `resync` frames for every connection of a shard whose tail saw a gap.
-    pub resyncs: Vec<RoutedEvent>,
+    /// Queued before `events`: a tail reports a gap before anything after it.
+    pub resyncs: Vec<RoutedResync>,
 }
 
 /// A stream joins: from now on its device's events go into `queue`.
@@ -139,17 +150,14 @@ impl Router {
         }
     }
 
-    fn offer_to_shard(&mut self, event: &RoutedEvent) {
-        let shard = event.shard as usize;
+    /// Queues `item` (made anew per connection: a clone of shared bytes) on every connection of
+    /// `shard`.
+    fn offer_to_shard(&mut self, shard: u32, item: impl Fn() -> QueueItem) {
         let mut delivered = 0;
         let mut overflowed = Vec::new();
         let mut closed = Vec::new();
-        for (device, route) in &self.shards[shard] {
-            let item = QueueItem::Event {
-                position: event.position,
-                frame: event.frame.clone(),
-            };
-            match route.queue.try_send(item) {
+        for (device, route) in &self.shards[shard as usize] {
+            match route.queue.try_send(item()) {
                 Ok(()) => delivered += 1,
                 Err(TrySendError::Full) => overflowed.push(device.clone()),
                 Err(TrySendError::Closed) => closed.push(device.clone()),
@@ -161,10 +169,10 @@ impl Router {
         self.metrics
             .routed(RouteResult::Closed, closed.len() as u64);
         for device in overflowed {
-            self.evict(event.shard, &device);
+            self.evict(shard, &device);
         }
         for device in closed {
-            self.remove(event.shard, &device);
+            self.remove(shard, &device);
         }
     }
 
@@ -268,19 +276,36 @@ impl Handler<RouteBatch> for Router {
 
     fn handle(&mut self, batch: RouteBatch, _: &mut Context<Self>) {
         for resync in &batch.resyncs {
-            self.offer_to_shard(resync);
+            self.offer_to_shard(resync.shard, || QueueItem::Resync {
+                epoch: resync.epoch,
+                position: resync.position,
+                reason: resync.reason,
+                frame: resync.frame.clone(),
+            });
         }
-        for event in batch.events {
-            match &event.target {
+        for RoutedEvent {
+            shard,
+            target,
+            epoch,
+            position,
+            frame,
+        } in batch.events
+        {
+            match target {
                 Target::Device(device) => {
                     let item = QueueItem::Event {
-                        position: event.position,
-                        frame: event.frame,
+                        epoch,
+                        position,
+                        frame,
                     };
-                    let result = self.offer(event.shard, device, item);
+                    let result = self.offer(shard, &device, item);
                     self.metrics.routed(result, 1);
                 }
-                Target::Broadcast => self.offer_to_shard(&event),
+                Target::Broadcast => self.offer_to_shard(shard, || QueueItem::Event {
+                    epoch,
+                    position,
+                    frame: frame.clone(),
+                }),
             }
         }
     }

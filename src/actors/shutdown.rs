@@ -8,8 +8,10 @@
 //! `drain.readiness_delay`, every connection is sent its own `retry:` drawn uniformly from
 //! `[drain.retry_min, drain.retry_max]`, then connections are closed in slices every 100 ms at
 //! `max(drain.close_rate, connections / budget)` per second (each writes what it has queued, then
-//! its retry again); live events keep flowing until each connection's own close; the tails stop
-//! once no stream is routed or still writing, or at `drain.grace` (then the process exits 1).
+//! its retry again, and is cut off if its client does not take it before the grace's margin);
+//! live events keep flowing until each connection's own close; the tails stop once no stream is
+//! routed or still writing, or at `drain.grace` (then the process exits 1, which a stopped
+//! reader can no longer cause).
 //! One timer drives the whole drain, whatever the number of connections.
 //! A second signal exits at once.
 
@@ -24,7 +26,6 @@ use rand::Rng;
 use serde::Serialize;
 
 use super::{
-    close_reason::CloseReason,
     connection::{AnnounceRetry, Close, HubState},
     router::Snapshot,
     stream_tail::StopTail,
@@ -267,6 +268,8 @@ impl Drain {
                     .do_send(AnnounceRetry(rng.random_range(retry_min..=retry_max)));
             }
         }
+        // A client that has not taken what was queued for it by then is cut off.
+        let flush_by = deadline - margin / 2;
         let per_slice = rate * SLICE.as_secs_f64();
         let mut ticker = tokio::time::interval(SLICE);
         let mut allowance = 0.0;
@@ -276,8 +279,9 @@ impl Drain {
             allowance += per_slice;
             let upto = (closed + allowance as usize).min(targets.len());
             allowance -= (upto - closed) as f64;
+            let flush_within = flush_by.saturating_duration_since(Instant::now());
             for target in &targets[closed..upto] {
-                target.close.do_send(Close::now(CloseReason::Drain));
+                target.close.do_send(Close::drain(flush_within));
             }
             closed = upto;
             let elapsed = self.started.elapsed().as_secs_f64();

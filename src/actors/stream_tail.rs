@@ -22,20 +22,14 @@ use actix::prelude::*;
 use serde::Serialize;
 use tokio::sync::watch;
 
-use super::{
-    connection::resync_frame,
-    router::{RouteBatch, RoutedEvent},
-};
+use super::router::{RouteBatch, RoutedEvent, RoutedResync};
 use crate::{
-    actors::close_reason::ResyncReason,
-    backend::{Backend, GapReason, Tail, TailBatch},
+    backend::{trim_interval, Backend, Tail, TailBatch},
     metrics::Metrics,
     model::{Cursor, Position},
     sse::frame,
     stop::sleep_or_stop,
 };
-
-const TRIM_EVERY_MAX: Duration = Duration::from_secs(30);
 
 #[derive(Message)]
 #[rtype(result = "()")]
@@ -143,7 +137,7 @@ impl StreamTail {
             router,
             metrics,
             status,
-            trim_every: (retention / 2).clamp(Duration::from_secs(1), TRIM_EVERY_MAX),
+            trim_every: trim_interval(retention),
             stop: watch::channel(false).0,
         }
     }
@@ -279,9 +273,8 @@ impl TailLoop {
     /// Frames a batch and hands it to the Router; false when the Router is gone.
     async fn deliver(&self, batch: TailBatch, tail: &dyn Tail) -> bool {
         let TailBatch {
-            epoch,
-            events,
             gaps,
+            events,
             skipped,
             newest_ms,
         } = batch;
@@ -297,39 +290,34 @@ impl TailLoop {
         if count > 0 {
             self.metrics.tail_batch(self.group, events.len());
         }
-        let events = match &epoch {
-            Some(epoch) => events
-                .into_iter()
-                .map(|event| {
-                    let id = Cursor::new(epoch.clone(), event.shard, event.position).to_string();
-                    RoutedEvent {
-                        frame: frame::event(&id, event.event_type.as_str(), &event.data),
-                        shard: event.shard,
-                        target: event.target,
-                        position: event.position,
-                    }
-                })
-                .collect(),
-            None => Vec::new(),
-        };
-        let resyncs: Vec<RoutedEvent> = gaps
+        let events: Vec<RoutedEvent> = events
+            .into_iter()
+            .map(|event| {
+                let id = Cursor::new(event.epoch.clone(), event.shard, event.position).to_string();
+                RoutedEvent {
+                    frame: frame::event(&id, event.event_type.as_str(), &event.data),
+                    shard: event.shard,
+                    target: event.target,
+                    epoch: event.epoch.id(),
+                    position: event.position,
+                }
+            })
+            .collect();
+        let resyncs: Vec<RoutedResync> = gaps
             .into_iter()
             .map(|gap| {
-                let reason = match gap.reason {
-                    GapReason::Expired => ResyncReason::Expired,
-                    GapReason::DataLost => ResyncReason::DataLost,
-                };
                 log::warn!(
                     "tail of group {} lost entries of shard {} ({}): its connections get resync",
                     self.group,
                     gap.cursor.shard,
-                    reason.label()
+                    gap.reason.label()
                 );
-                RoutedEvent {
+                RoutedResync {
                     shard: gap.cursor.shard,
-                    target: crate::model::Target::Broadcast,
+                    epoch: gap.cursor.epoch.id(),
                     position: gap.cursor.position,
-                    frame: resync_frame(&gap.cursor, reason),
+                    reason: gap.reason,
+                    frame: frame::resync(&gap.cursor, gap.reason),
                 }
             })
             .collect();
@@ -362,6 +350,8 @@ async fn trim_periodically(
 ) {
     loop {
         if sleep_or_stop(every, &mut stop).await {
+            // Another pod takes over the group's trimming at once.
+            backend.stop_trimming(group).await;
             return;
         }
         if let Err(error) = backend.trim(group).await {

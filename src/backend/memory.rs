@@ -16,10 +16,10 @@ use futures_util::{future::BoxFuture, FutureExt};
 use tokio::sync::Notify;
 
 use super::{
-    Appended, Backend, BackendResult, Gap, GapReason, NewEvent, ShardState, StoredEvent, Tail,
-    TailBatch,
+    Appended, Backend, BackendResult, Gap, ItemOutcome, NewEvent, ReadPage, ShardState,
+    StoredEvent, Tail, TailBatch,
 };
-use crate::model::{shard_of, Cursor, Epoch, Position, Target};
+use crate::model::{shard_of, Cursor, Epoch, Position, ResyncReason, Target};
 
 #[derive(Debug, Clone)]
 pub struct MemorySettings {
@@ -44,10 +44,18 @@ struct Inner {
 
 struct LogState {
     shards: Vec<ShardLog>,
-    /// Accepted idempotency keys and what they were answered with.
-    dedupe: HashMap<String, (Instant, Cursor)>,
+    /// Accepted idempotency keys (per target) and what they were answered with.
+    dedupe: HashMap<DedupeKey, (Instant, Cursor)>,
     /// Keys in acceptance order, so expiry pops from the front instead of scanning the map.
-    dedupe_order: VecDeque<(Instant, String)>,
+    dedupe_order: VecDeque<(Instant, DedupeKey)>,
+}
+
+/// An idempotency key is the producer's own, scoped to the item's target.
+#[derive(Clone, PartialEq, Eq, Hash)]
+struct DedupeKey {
+    /// The `dev` field: a device id, or `*` for a broadcast.
+    target: Arc<str>,
+    key: String,
 }
 
 #[derive(Default)]
@@ -118,7 +126,7 @@ impl Inner {
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
-    fn append(&self, events: Vec<NewEvent>) -> Vec<Appended> {
+    fn append(&self, events: Vec<NewEvent>) -> Vec<ItemOutcome> {
         let now = Instant::now();
         let wall_ms = now_ms();
         let settings = &self.settings;
@@ -139,11 +147,15 @@ impl Inner {
         }
         let mut results = Vec::with_capacity(events.len());
         for event in events {
-            if let Some((_, cursor)) = event.key.as_ref().and_then(|key| state.dedupe.get(key)) {
-                results.push(Appended {
+            let dedupe = event.key.as_ref().map(|key| DedupeKey {
+                target: Arc::from(event.target.as_field()),
+                key: key.clone(),
+            });
+            if let Some((_, cursor)) = dedupe.as_ref().and_then(|key| state.dedupe.get(key)) {
+                results.push(Ok(Appended {
                     cursor: cursor.clone(),
                     duplicate: true,
-                });
+                }));
                 continue;
             }
             let shards: Range<u32> = match &event.target {
@@ -161,6 +173,7 @@ impl Inner {
                 log.last = position;
                 log.entries.push_back(StoredEvent {
                     shard,
+                    epoch: self.epoch.clone(),
                     position,
                     target: event.target.clone(),
                     event_type: event.event_type.clone(),
@@ -171,14 +184,14 @@ impl Inner {
             }
             // A device target always yields one shard and a broadcast at least one (shards >= 1).
             let cursor = first.expect("every event is appended to at least one shard");
-            if let Some(key) = event.key {
+            if let Some(key) = dedupe {
                 state.dedupe.insert(key.clone(), (now, cursor.clone()));
                 state.dedupe_order.push_back((now, key));
             }
-            results.push(Appended {
+            results.push(Ok(Appended {
                 cursor,
                 duplicate: false,
-            });
+            }));
         }
         drop(state);
         self.appended.notify_waiters();
@@ -200,7 +213,7 @@ impl Backend for MemoryBackend {
         std::iter::once(0..self.inner.settings.shards).collect()
     }
 
-    fn append(&self, events: Vec<NewEvent>) -> BoxFuture<'_, BackendResult<Vec<Appended>>> {
+    fn append(&self, events: Vec<NewEvent>) -> BoxFuture<'_, BackendResult<Vec<ItemOutcome>>> {
         let results = self.inner.append(events);
         async move { Ok(results) }.boxed()
     }
@@ -226,24 +239,39 @@ impl Backend for MemoryBackend {
         shard: u32,
         after: Position,
         limit: usize,
-    ) -> BoxFuture<'_, BackendResult<Vec<StoredEvent>>> {
-        let page = {
+    ) -> BoxFuture<'_, BackendResult<ReadPage>> {
+        let events: Vec<StoredEvent> = {
             let state = self.inner.lock();
             let log = &state.shards[shard as usize];
             let start = log.first_after(after);
             log.entries.range(start..).take(limit).cloned().collect()
         };
+        let page = ReadPage {
+            epoch: self.inner.epoch.clone(),
+            read: events.len(),
+            last: events.last().map(|event| event.position),
+            events,
+        };
         async move { Ok(page) }.boxed()
     }
 
-    fn shard_state(&self, shard: u32) -> BoxFuture<'_, BackendResult<ShardState>> {
+    fn shard_state(
+        &self,
+        shard: u32,
+        probe: Option<Position>,
+    ) -> BoxFuture<'_, BackendResult<ShardState>> {
         let state = {
             let state = self.inner.lock();
             let log = &state.shards[shard as usize];
             ShardState {
                 epoch: self.inner.epoch.clone(),
+                start: Position::ZERO,
                 head: log.last,
                 trimmed_through: log.trimmed_through,
+                probe: probe.map(|position| {
+                    let index = log.first_after(position);
+                    index > 0 && log.entries[index - 1].position == position
+                }),
             }
         };
         async move { Ok(state) }.boxed()
@@ -274,10 +302,7 @@ struct MemoryTail {
 impl MemoryTail {
     fn read_ready(&mut self) -> TailBatch {
         let count = self.inner.settings.tail_count;
-        let mut batch = TailBatch {
-            epoch: Some(self.inner.epoch.clone()),
-            ..TailBatch::default()
-        };
+        let mut batch = TailBatch::default();
         let state = self.inner.lock();
         let shards = state.shards.len();
         for offset in 0..shards {
@@ -288,7 +313,7 @@ impl MemoryTail {
                 *last = log.trimmed_through;
                 batch.gaps.push(Gap {
                     cursor: Cursor::new(self.inner.epoch.clone(), shard as u32, *last),
-                    reason: GapReason::Expired,
+                    reason: ResyncReason::Expired,
                 });
             }
             let start = log.first_after(*last);
@@ -375,15 +400,18 @@ mod tests {
             ])
             .await
             .unwrap();
-        assert!(!first[0].duplicate);
-        assert!(again
-            .iter()
-            .all(|a| a.duplicate && a.cursor == first[0].cursor));
-        let shard = first[0].cursor.shard;
+        let first = first[0].as_ref().unwrap();
+        assert!(!first.duplicate);
+        assert!(again.iter().all(|a| {
+            let a = a.as_ref().unwrap();
+            a.duplicate && a.cursor == first.cursor
+        }));
+        let shard = first.cursor.shard;
         assert_eq!(
             log.read_after(shard, Position::ZERO, 10)
                 .await
                 .unwrap()
+                .events
                 .len(),
             1
         );
@@ -401,9 +429,13 @@ mod tests {
             log.append(vec![broadcast.clone()]).await.unwrap();
         }
         for shard in 0..4 {
-            let entries = log.read_after(shard, Position::ZERO, 10).await.unwrap();
+            let entries = log
+                .read_after(shard, Position::ZERO, 10)
+                .await
+                .unwrap()
+                .events;
             assert_eq!(entries.len(), 2);
-            let state = log.shard_state(shard).await.unwrap();
+            let state = log.shard_state(shard, None).await.unwrap();
             assert!(state.trimmed_through > Position::ZERO);
             assert!(state.trimmed_through < entries[0].position);
         }

@@ -6,26 +6,36 @@
 //!   that order. Positions of different shards are unrelated.
 //! - **Groups.** Shards are split into contiguous groups (Redis node groups); one tail reads one
 //!   group. `groups()[g]` lists the shards of group `g`.
-//! - **Epoch.** Each shard belongs to one epoch, a name for the current life of its stored data.
-//!   When stored data is lost (restart without persistence, flush, recreated stream) the epoch
-//!   changes, so cursors from before the loss are answered with `resync` `data_lost`.
+//! - **Epochs.** Each shard is in one epoch, a name for the current life of its stored data, which
+//!   began at [`ShardState::start`]. When stored data is lost (restart without persistence, flush,
+//!   a recreated or rolled-back stream) the shard gets a new epoch, so cursors from before the
+//!   loss are answered with `resync` `data_lost`. Every event a backend returns carries the epoch
+//!   it was read in, and a read never mixes two lives.
 //! - **Tails** start at "now": they deliver only entries appended after `open_tail` returned. A
-//!   tail reports a [`Gap`] when entries of a shard were trimmed before it could read them.
-//! - **Trimming** keeps `retention` (by age) and a length cap per shard. `ShardState::trimmed_through`
-//!   is the highest position ever removed by trimming: a cursor below it may have missed entries.
-//! - **Idempotency** is atomic with the append: an item whose key was accepted within the dedupe
-//!   window is not appended again and returns the original cursor.
+//!   tail reports a [`Gap`] when it could not read what it was due to read: entries trimmed
+//!   before it read them (`expired`, the tail continues after them), or a lost life (`data_lost`:
+//!   the gap's cursor is the new life's start, and the tail delivers every entry of the new life
+//!   after it). A gap is reported before any event after it.
+//! - **Trimming** keeps `retention` (by age, on the backend's clock) and a length cap per shard.
+//!   `ShardState::trimmed_through` is the highest position that may have been removed: a cursor
+//!   below it may have missed entries.
+//! - **Idempotency** is atomic with the append and scoped to the item's target: an item whose key
+//!   was accepted for the same device (or for a broadcast) within the dedupe window is not
+//!   appended again and returns the original cursor.
+//! - **Partial failure.** `append` answers per item. A request that appends nothing fails as a
+//!   whole; otherwise each item is appended, or not appended, or was appended to some shards only
+//!   (a broadcast), or its outcome is unknown ([`ItemFailure`]).
 
 pub mod memory;
 pub mod nats;
 pub mod redis;
 
-use std::{ops::Range, sync::Arc};
+use std::{ops::Range, sync::Arc, time::Duration};
 
 use futures_util::future::BoxFuture;
 use thiserror::Error;
 
-use crate::model::{Cursor, Epoch, EventType, Position, Target};
+use crate::model::{Cursor, Epoch, EventType, Position, ResyncReason, Target};
 
 pub use memory::MemoryBackend;
 pub use nats::NatsBackend;
@@ -59,49 +69,111 @@ pub struct Appended {
     pub duplicate: bool,
 }
 
+/// Why one item of a request was not (wholly) appended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ItemFailure {
+    /// Certainly not appended.
+    NotAppended(String),
+    /// A broadcast that reached some shards only; retrying it with its key completes it.
+    Incomplete(String),
+    /// The backend may or may not have appended it (a timeout, a lost connection).
+    Unknown(String),
+}
+
+impl ItemFailure {
+    pub fn message(&self) -> &str {
+        match self {
+            ItemFailure::NotAppended(message)
+            | ItemFailure::Incomplete(message)
+            | ItemFailure::Unknown(message) => message,
+        }
+    }
+
+    /// Some copy of the item may be stored.
+    pub fn may_be_stored(&self) -> bool {
+        !matches!(self, ItemFailure::NotAppended(_))
+    }
+}
+
+pub type ItemOutcome = Result<Appended, ItemFailure>;
+
 /// A stored entry as read back. Cheap to clone (shared strings).
 #[derive(Debug, Clone)]
 pub struct StoredEvent {
     pub shard: u32,
+    /// The life of the shard it was read in.
+    pub epoch: Epoch,
     pub position: Position,
     pub target: Target,
     pub event_type: EventType,
     pub data: Arc<str>,
 }
 
+/// One page of a shard read by `read_after`, all of one life.
+#[derive(Debug, Clone)]
+pub struct ReadPage {
+    pub epoch: Epoch,
+    pub events: Vec<StoredEvent>,
+    /// Entries read, delivered or not: a page that read fewer than asked reached the end.
+    pub read: usize,
+    /// Position of the last entry read (delivered or not): the next page starts after it.
+    pub last: Option<Position>,
+}
+
 /// The resume-relevant state of one shard.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ShardState {
     pub epoch: Epoch,
+    /// Where the current life of the shard began: a loss moves clients here.
+    pub start: Position,
     /// Position of the newest entry (`Position::ZERO` when the shard is empty).
     pub head: Position,
     /// Highest position removed by trimming (`Position::ZERO` when nothing was trimmed).
     pub trimmed_through: Position,
+    /// Whether the position asked about is stored (`None`: not asked, or the backend cannot
+    /// tell). A cursor's own entry missing while nothing trimmed it means the stream went back
+    /// in time (a restart from an older snapshot, a failover to a lagging replica).
+    pub probe: Option<bool>,
 }
 
-/// Entries of a shard were removed before the tail read them: connections of that shard may have
-/// missed events and get `resync` with `cursor` (the position the tail continues after).
+impl ShardState {
+    /// Where a cursor of this shard resumes: after its position, or a resync for a reason.
+    pub fn judge(&self, cursor: &Cursor) -> Result<Position, ResyncReason> {
+        let position = cursor.position;
+        if cursor.epoch != self.epoch {
+            return Err(ResyncReason::DataLost);
+        }
+        // Ahead of the newest entry, or an entry that was neither trimmed nor is stored: this
+        // life of the stream went back in time and lost what the cursor saw.
+        if position > self.head
+            || (self.probe == Some(false)
+                && position > self.trimmed_through
+                && position != Position::ZERO)
+        {
+            return Err(ResyncReason::DataLost);
+        }
+        if position < self.trimmed_through {
+            return Err(ResyncReason::Expired);
+        }
+        Ok(position)
+    }
+}
+
+/// A tail could not read what it was due to read: connections of `cursor.shard` may have missed
+/// events and get `resync` with `cursor` (the position the tail continues after).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Gap {
     pub cursor: Cursor,
-    pub reason: GapReason,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum GapReason {
-    /// Trimmed by retention before the tail read them.
-    Expired,
-    /// The backend lost its data (new epoch).
-    DataLost,
+    /// `Expired` (trimmed before the tail read it) or `DataLost` (a new life of the shard).
+    pub reason: ResyncReason,
 }
 
 /// One read of a tail.
 #[derive(Debug, Default)]
 pub struct TailBatch {
-    /// Epoch per shard of the events below (the tail's group shares one epoch).
-    pub epoch: Option<Epoch>,
-    pub events: Vec<StoredEvent>,
+    /// Reported before `events`: no event below is from before a gap of its shard.
     pub gaps: Vec<Gap>,
+    pub events: Vec<StoredEvent>,
     /// Entries read but not deliverable (missing or invalid fields), counted by the StreamTail.
     pub skipped: u64,
     /// Unix ms at which the newest entry read was appended, for the lag metric, when positions
@@ -118,25 +190,100 @@ pub trait Tail: Send {
     fn last_positions(&self) -> Vec<(u32, Position)>;
 }
 
+/// How often retention is applied, for a resume window of `retention`: at least every 30 s,
+/// at most every second.
+pub fn trim_interval(retention: Duration) -> Duration {
+    (retention / 2).clamp(Duration::from_secs(1), Duration::from_secs(30))
+}
+
 pub trait Backend: Send + Sync + 'static {
     /// `memory`, `redis` or `nats`: used in metric names and status.
     fn kind(&self) -> &'static str;
     fn shards(&self) -> u32;
     /// Shards of each group, contiguous and in order.
     fn groups(&self) -> Vec<Range<u32>>;
-    fn append(&self, events: Vec<NewEvent>) -> BoxFuture<'_, BackendResult<Vec<Appended>>>;
+    /// Appends every item, answering each in input order. `Err` only when nothing was appended.
+    fn append(&self, events: Vec<NewEvent>) -> BoxFuture<'_, BackendResult<Vec<ItemOutcome>>>;
     /// Opens a tail of `group` positioned at "now".
     fn open_tail(&self, group: usize) -> BoxFuture<'_, BackendResult<Box<dyn Tail>>>;
-    /// Up to `limit` entries of `shard` strictly after `after`, in order.
+    /// Up to `limit` entries of `shard` strictly after `after` (fewer only at the end), in order,
+    /// all of one life.
     fn read_after(
         &self,
         shard: u32,
         after: Position,
         limit: usize,
-    ) -> BoxFuture<'_, BackendResult<Vec<StoredEvent>>>;
-    fn shard_state(&self, shard: u32) -> BoxFuture<'_, BackendResult<ShardState>>;
-    /// Applies retention to the shards of `group` (run periodically by its tail).
+    ) -> BoxFuture<'_, BackendResult<ReadPage>>;
+    /// The shard's life, head and trimming, and whether `probe` (a cursor's position) is stored.
+    fn shard_state(
+        &self,
+        shard: u32,
+        probe: Option<Position>,
+    ) -> BoxFuture<'_, BackendResult<ShardState>>;
+    /// Applies retention to the shards of `group` (run periodically by its tail). Backends
+    /// shared by several pods let one pod at a time do it.
     fn trim(&self, group: usize) -> BoxFuture<'_, BackendResult<()>>;
+    /// Gives up whatever `trim` holds so another pod takes over at once (the pod is stopping).
+    fn stop_trimming(&self, _group: usize) -> BoxFuture<'_, ()> {
+        Box::pin(async {})
+    }
     /// Cheap reachability check for readiness.
     fn ping(&self) -> BoxFuture<'_, BackendResult<()>>;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn state(head: u64, trimmed: u64, probe: Option<bool>) -> ShardState {
+        ShardState {
+            epoch: Epoch::new("e1").unwrap(),
+            start: Position::ZERO,
+            head: Position::new(head, 0),
+            trimmed_through: Position::new(trimmed, 0),
+            probe,
+        }
+    }
+
+    fn cursor(epoch: &str, ms: u64) -> Cursor {
+        Cursor::new(Epoch::new(epoch).unwrap(), 0, Position::new(ms, 0))
+    }
+
+    /// A cursor resumes when it is of this life, not ahead of the head, stored (or trimmed), and
+    /// not older than what trimming removed; each failure has its reason.
+    #[test]
+    fn cursors_are_judged_against_the_shard() {
+        assert_eq!(
+            state(10, 2, Some(true)).judge(&cursor("e1", 5)),
+            Ok(Position::new(5, 0))
+        );
+        assert_eq!(
+            state(10, 2, None).judge(&cursor("e1", 2)),
+            Ok(Position::new(2, 0))
+        );
+        assert_eq!(
+            state(10, 2, Some(true)).judge(&cursor("e0", 5)),
+            Err(ResyncReason::DataLost)
+        );
+        assert_eq!(
+            state(10, 2, None).judge(&cursor("e1", 11)),
+            Err(ResyncReason::DataLost),
+            "ahead of the head: the stream went back"
+        );
+        assert_eq!(
+            state(10, 2, Some(false)).judge(&cursor("e1", 5)),
+            Err(ResyncReason::DataLost),
+            "its own entry vanished without trimming"
+        );
+        assert_eq!(
+            state(10, 6, Some(false)).judge(&cursor("e1", 5)),
+            Err(ResyncReason::Expired),
+            "trimmed away: expired"
+        );
+        assert_eq!(
+            state(0, 0, Some(false)).judge(&cursor("e1", 0)),
+            Ok(Position::ZERO),
+            "the head of an empty stream"
+        );
+    }
 }

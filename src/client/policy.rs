@@ -1,6 +1,8 @@
-//! When to reconnect (SPEC 9): honour the server's `retry:` but never sooner than 1 s; after
-//! consecutive failures back off exponentially with full jitter up to 60 s; start over after a
-//! healthy connection. A 503's `Retry-After` is a floor too.
+//! When to reconnect (docs/client-contract.md): honour the server's `retry:` but never sooner
+//! than 1 s; after a healthy connection wait `retry` plus a random 0-100 % of it, so the
+//! terminals of a pod that crashed do not all come back in the same instant; after consecutive
+//! failures back off exponentially with full jitter up to 60 s; start over after a healthy
+//! connection. A 503's `Retry-After` is a floor too.
 
 use std::time::Duration;
 
@@ -48,7 +50,8 @@ impl ReconnectPolicy {
     ) -> Duration {
         let delay = if healthy {
             self.failures = 0;
-            self.retry
+            let retry = self.retry.max(FLOOR);
+            retry + retry.mul_f64(rng.random::<f64>())
         } else {
             self.failures = self.failures.saturating_add(1);
             // Full jitter: uniform in [0, min(cap, retry · 2^failures)], then the floor.
@@ -69,21 +72,25 @@ impl ReconnectPolicy {
 mod tests {
     use super::*;
 
+    /// After a healthy connection: `retry` plus 0-100 % of it, `retry` raised to 1 s first.
+    fn assert_healthy_delay(delay: Duration, retry: Duration) {
+        assert!(
+            delay >= retry && delay <= retry * 2,
+            "{delay:?} for {retry:?}"
+        );
+    }
+
     /// Delays never go below 1 s nor above 60 s, grow with failures, and reset when healthy.
     #[test]
     fn delays_are_bounded_and_back_off() {
         let mut rng = rand::rng();
         let mut policy = ReconnectPolicy::default();
         policy.set_retry(Duration::from_millis(10));
-        assert_eq!(
-            policy.next_delay(true, None, &mut rng),
-            FLOOR,
-            "a tiny retry is raised to 1 s"
-        );
+        assert_healthy_delay(policy.next_delay(true, None, &mut rng), FLOOR);
         policy.set_retry(Duration::from_secs(2));
-        assert_eq!(
+        assert_healthy_delay(
             policy.next_delay(true, None, &mut rng),
-            Duration::from_secs(2)
+            Duration::from_secs(2),
         );
         for round in 1..=12u32 {
             let delay = policy.next_delay(false, None, &mut rng);
@@ -103,11 +110,32 @@ mod tests {
             "the cap is reached"
         );
         assert!(many.iter().all(|d| *d <= CAP));
-        assert_eq!(
+        assert_healthy_delay(
             policy.next_delay(true, None, &mut rng),
-            Duration::from_secs(2)
+            Duration::from_secs(2),
         );
         assert_eq!(policy.failures(), 0);
+    }
+
+    /// The first reconnect after a healthy connection is spread: a fleet told the same `retry`
+    /// does not come back in one instant.
+    #[test]
+    fn healthy_reconnects_are_jittered() {
+        let mut rng = rand::rng();
+        let mut policy = ReconnectPolicy::default();
+        policy.set_retry(Duration::from_secs(3));
+        let delays: Vec<Duration> = (0..100)
+            .map(|_| policy.next_delay(true, None, &mut rng))
+            .collect();
+        for delay in &delays {
+            assert_healthy_delay(*delay, Duration::from_secs(3));
+        }
+        let spread = delays
+            .iter()
+            .max()
+            .unwrap()
+            .saturating_sub(*delays.iter().min().unwrap());
+        assert!(spread > Duration::from_secs(1), "{spread:?}");
     }
 
     /// `Retry-After` from a 503 is honoured even beyond the cap.

@@ -23,6 +23,10 @@ use raw::RawConfig;
 
 /// Largest shard count any backend accepts.
 pub const MAX_SHARDS: u32 = 16_384;
+/// Longest `drain.retry_min` / `drain.retry_max`.
+const MAX_DRAIN_RETRY: Duration = Duration::from_secs(3600);
+/// Longest `redis.block`.
+const MAX_REDIS_BLOCK: Duration = Duration::from_secs(600);
 
 /// Where a key came from, for the unknown-key message.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -350,6 +354,17 @@ impl Config {
             retention: duration("redis.retention", &raw.redis.retention)?,
             max_len: int_in("redis.max_len", raw.redis.max_len, 1, i64::MAX)?,
         };
+        // Redis reads BLOCK 0 as "block forever", past every timeout of the tail's connection.
+        if redis.block.is_zero() || redis.block > MAX_REDIS_BLOCK {
+            return Err(invalid(
+                "redis.block",
+                format!(
+                    "must be greater than 0s and at most {} (got {})",
+                    format_duration(MAX_REDIS_BLOCK),
+                    format_duration(redis.block)
+                ),
+            ));
+        }
         redis_url("redis.url", &redis.url)?;
         for url in &redis.urls {
             redis_url("redis.urls", url)?;
@@ -460,6 +475,23 @@ impl Config {
                     format_duration(drain.readiness_delay)
                 ),
             ));
+        }
+        // `retry:` is sent in milliseconds as a u32; past an hour a client waiting that long is a
+        // mistake, not a plan.
+        for (key, value) in [
+            ("drain.retry_min", drain.retry_min),
+            ("drain.retry_max", drain.retry_max),
+        ] {
+            if value > MAX_DRAIN_RETRY {
+                return Err(invalid(
+                    key,
+                    format!(
+                        "must be at most {} (got {})",
+                        format_duration(MAX_DRAIN_RETRY),
+                        format_duration(value)
+                    ),
+                ));
+            }
         }
         if drain.retry_min > drain.retry_max {
             return Err(invalid(

@@ -1,5 +1,8 @@
-//! `POST /v1/events` (SPEC 4.2): one object or an array, validated as a whole, appended in one
-//! backend call, answered in input order with each event's SSE id.
+//! `POST /v1/events`: one object or an array, validated as a whole, appended in one backend call,
+//! answered in input order with each event's SSE id (docs/http-api.md). When only part of a
+//! batch was stored (one of several Redis instances or node groups down, unacknowledged NATS
+//! publishes), the answer is 207 and names per item its id or why it has none; a batch of which
+//! nothing is known to be stored is a 503.
 
 use actix_web::{web, HttpRequest, HttpResponse};
 use futures_util::StreamExt;
@@ -7,7 +10,7 @@ use serde_json::{json, Map, Value};
 
 use super::{auth::Access, error::ApiError, AppState};
 use crate::{
-    backend::NewEvent,
+    backend::{ItemFailure, NewEvent},
     metrics::PublishResult,
     model::{DeviceId, EventType, Target},
 };
@@ -41,18 +44,41 @@ pub async fn publish(
             return Err(ApiError::BackendUnavailable(error.to_string()));
         }
     };
-    let duplicates = appended.iter().filter(|a| a.duplicate).count() as u64;
+    let mut tally = [0u64; 3];
+    let results: Vec<Value> = appended
+        .iter()
+        .map(|outcome| match outcome {
+            Ok(appended) => {
+                tally[usize::from(appended.duplicate)] += 1;
+                json!({ "id": appended.cursor.to_string(), "duplicate": appended.duplicate })
+            }
+            Err(failure) => {
+                tally[2] += 1;
+                json!({ "error": failure_code(failure), "message": failure.message() })
+            }
+        })
+        .collect();
+    let [accepted, duplicates, failed] = tally;
+    state.metrics.published(PublishResult::Accepted, accepted);
     state
         .metrics
         .published(PublishResult::Duplicate, duplicates);
-    state
-        .metrics
-        .published(PublishResult::Accepted, count - duplicates);
-    let results: Vec<Value> = appended
-        .iter()
-        .map(|a| json!({ "id": a.cursor.to_string(), "duplicate": a.duplicate }))
-        .collect();
-    Ok(HttpResponse::Created().json(json!({ "results": results })))
+    state.metrics.published(PublishResult::Failed, failed);
+    let body = json!({ "results": results });
+    Ok(if failed == 0 {
+        HttpResponse::Created().json(body)
+    } else {
+        HttpResponse::MultiStatus().json(body)
+    })
+}
+
+/// The `error` of an item that has no id (docs/http-api.md).
+fn failure_code(failure: &ItemFailure) -> &'static str {
+    match failure {
+        ItemFailure::NotAppended(_) => "not_appended",
+        ItemFailure::Incomplete(_) => "incomplete",
+        ItemFailure::Unknown(_) => "outcome_unknown",
+    }
 }
 
 /// Reads the body, refusing it as soon as it exceeds `limit` (by `Content-Length` before reading,

@@ -94,6 +94,7 @@ async fn stream(
             cursor,
             queue_limit: state.config.sse.queue_limit,
             retry_ms: state.config.sse.retry_ms,
+            stall_timeout: state.config.sse.stall_timeout,
             socket_fd: request
                 .conn_data::<ConnectionSocket>()
                 .map(|socket| socket.0),

@@ -55,8 +55,32 @@ fn parse_decimal(text: &str) -> Result<u64, CursorError> {
 }
 
 /// One life of a stored stream. Short alphanumeric text, compared for equality only.
-#[derive(Clone, PartialEq, Eq, Hash)]
-pub struct Epoch(Arc<str>);
+#[derive(Clone)]
+pub struct Epoch {
+    text: Arc<str>,
+    /// A hash of `text`, so queued events carry their life as a plain number (see [`EpochId`]).
+    id: EpochId,
+}
+
+/// A number that tells epochs apart without touching their text: what every queued event
+/// carries, so a connection can drop events of a life it has left. A 64-bit hash: two epochs of
+/// one shard colliding is about as likely as two random 64-bit numbers being equal.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+pub struct EpochId(u64);
+
+impl PartialEq for Epoch {
+    fn eq(&self, other: &Self) -> bool {
+        self.text == other.text
+    }
+}
+
+impl Eq for Epoch {}
+
+impl std::hash::Hash for Epoch {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.text.hash(state);
+    }
+}
 
 impl Epoch {
     pub fn new(text: &str) -> Result<Self, CursorError> {
@@ -66,7 +90,22 @@ impl Epoch {
         {
             return Err(CursorError::Malformed);
         }
-        Ok(Self(Arc::from(text)))
+        Ok(Self::from_valid(text))
+    }
+
+    fn from_valid(text: &str) -> Self {
+        // FNV-1a: tiny, stable across builds and processes, good enough to tell epochs apart.
+        let id = text.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |hash, byte| {
+            (hash ^ u64::from(byte)).wrapping_mul(0x0100_0000_01b3)
+        });
+        Self {
+            text: Arc::from(text),
+            id: EpochId(id),
+        }
+    }
+
+    pub fn id(&self) -> EpochId {
+        self.id
     }
 
     /// A fresh random epoch (memory log: one per process start; Redis: one per data life).
@@ -77,17 +116,17 @@ impl Epoch {
         let text: String = (0..10)
             .map(|_| ALPHABET[rng.random_range(0..ALPHABET.len())] as char)
             .collect();
-        Self(Arc::from(text))
+        Self::from_valid(&text)
     }
 
     pub fn as_str(&self) -> &str {
-        &self.0
+        &self.text
     }
 }
 
 impl fmt::Debug for Epoch {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{:?}", &*self.0)
+        write!(f, "{:?}", &*self.text)
     }
 }
 
@@ -194,12 +233,15 @@ mod tests {
         assert_eq!("5-6".parse::<Position>(), Ok(Position::new(5, 6)));
     }
 
-    /// Random epochs are valid epochs and differ between calls.
+    /// Random epochs are valid epochs and differ between calls, as do their ids; the same text
+    /// always has the same id.
     #[test]
     fn random_epochs_are_valid_and_distinct() {
         let a = Epoch::random();
         let b = Epoch::random();
         assert!(Epoch::new(a.as_str()).is_ok());
         assert_ne!(a, b);
+        assert_ne!(a.id(), b.id());
+        assert_eq!(Epoch::new(a.as_str()).unwrap().id(), a.id());
     }
 }

@@ -3,8 +3,10 @@
 
 mod cursor;
 mod ident;
+mod resync;
 mod shard;
 
-pub use cursor::{Cursor, CursorError, Epoch, Position};
+pub use cursor::{Cursor, CursorError, Epoch, EpochId, Position};
 pub use ident::{DeviceId, EventType, IdentError, Target};
+pub use resync::ResyncReason;
 pub use shard::shard_of;

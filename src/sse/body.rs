@@ -2,10 +2,25 @@
 //!
 //! Order of what it writes: the prelude (`retry:` and a comment, at once); then, while the
 //! Connection replays a backlog, only the replay channel (live events wait in the bounded queue);
-//! then the live queue, skipping events at or before the last replayed position, so the switch
-//! from replay to live has no gap and no duplicate. Frames that are ready together are written in
-//! one chunk (one syscall instead of one per event). When every sender is gone the stream ends
-//! cleanly, after the closing `retry:` of a drain; an abort ends it with an error at once.
+//! then the live queue. Frames that are ready together are written in one chunk (one syscall
+//! instead of one per event). When every sender is gone the stream ends cleanly, after the
+//! closing `retry:` of a drain; an abort ends it with an error at once.
+//!
+//! What it writes is decided by a small state: the life of the data the client is in (an
+//! [`EpochId`]) and the newest position it has been sent there (the floor).
+//! - An event at or below the floor was already sent (replayed, then routed live): dropped. So the
+//!   switch from replay to live has no gap and no duplicate.
+//! - An event of another life than the client's was read before a loss the client has been told
+//!   about (or after one it has not been told about yet, which cannot happen: tails and replays
+//!   send the `resync` of a loss before any event of the new life): dropped.
+//! - A `resync` `data_lost` moves the client into the new life at the resync's position. A second
+//!   one for the same life (a replay and a tail both found the loss) is dropped: the client hears
+//!   of each loss once, and the tail's events after the first one's position still arrive.
+//! - A `resync` `expired` at or below the floor changes nothing for this client (it was sent what
+//!   the tail missed, by its replay): dropped.
+//! - A replay channel that closes without [`QueueItem::ReplayEnd`] was cut short (a drain reached
+//!   the connection mid-replay): the stream ends after what was replayed, without live events,
+//!   so the client's cursor never jumps past events it was not sent.
 
 use std::{
     error::Error as StdError,
@@ -24,7 +39,7 @@ use super::{control::StreamControl, frame, queue::QueueReceiver, QueueItem};
 use crate::{
     actors::connection::{BodyDropped, HubState},
     metrics::Metrics,
-    model::Position,
+    model::{EpochId, Position, ResyncReason},
 };
 
 /// Largest chunk assembled from queued frames before handing it to actix.
@@ -47,8 +62,12 @@ pub struct SseBody {
     replay: Option<mpsc::Receiver<QueueItem>>,
     /// The bounded queue the Router (and the Connection) feed.
     live: QueueReceiver,
-    /// Newest position already written: live events at or before it are duplicates.
+    /// The life of the data the client is in, once known.
+    epoch: Option<EpochId>,
+    /// Newest position written in `epoch`: events at or before it are duplicates.
     floor: Option<Position>,
+    /// The life the client was last moved into by a `resync` `data_lost`.
+    resynced_to: Option<EpochId>,
     ended: bool,
     control: Arc<StreamControl>,
     /// Tells the Connection actor that the client is gone when actix drops the body.
@@ -69,11 +88,16 @@ impl SseBody {
         hub: Arc<HubState>,
     ) -> Self {
         hub.stream_opened();
+        if replay.is_some() {
+            live.set_replaying(true);
+        }
         Self {
             prelude: Some(prelude),
             replay,
             live,
+            epoch: None,
             floor: None,
+            resynced_to: None,
             ended: false,
             control,
             on_drop: Some(on_drop),
@@ -87,8 +111,17 @@ impl SseBody {
         loop {
             if let Some(replay) = &mut self.replay {
                 match replay.poll_recv(cx) {
+                    Poll::Ready(Some(QueueItem::ReplayEnd)) => {
+                        self.replay = None;
+                        self.live.set_replaying(false);
+                    }
                     Poll::Ready(Some(item)) => return Some((item, true)),
-                    Poll::Ready(None) => self.replay = None,
+                    // Cut short: nothing live may follow what was replayed.
+                    Poll::Ready(None) => {
+                        self.replay = None;
+                        self.ended = true;
+                        return None;
+                    }
                     Poll::Pending => return None,
                 }
             } else {
@@ -102,6 +135,38 @@ impl SseBody {
                 };
             }
         }
+    }
+
+    /// Whether an event of `epoch` at `position` is new to the client; if so, it is now sent.
+    fn admit_event(&mut self, epoch: EpochId, position: Position) -> bool {
+        if self.epoch.is_some_and(|known| known != epoch)
+            || self.floor.is_some_and(|floor| position <= floor)
+        {
+            return false;
+        }
+        self.epoch = Some(epoch);
+        self.floor = Some(position);
+        true
+    }
+
+    /// Whether a `resync` must be written (see the module doc); if so, the client continues
+    /// after `position` of `epoch`.
+    fn admit_resync(&mut self, epoch: EpochId, position: Position, reason: ResyncReason) -> bool {
+        let known = match reason {
+            ResyncReason::DataLost => self.resynced_to == Some(epoch),
+            ResyncReason::Expired | ResyncReason::Invalid => {
+                self.epoch == Some(epoch) && self.floor.is_some_and(|floor| position <= floor)
+            }
+        };
+        if known {
+            return false;
+        }
+        if reason == ResyncReason::DataLost {
+            self.resynced_to = Some(epoch);
+        }
+        self.epoch = Some(epoch);
+        self.floor = Some(position);
+        true
     }
 }
 
@@ -168,24 +233,38 @@ impl MessageBody for SseBody {
                 break;
             };
             match item {
-                QueueItem::Event { position, frame } => {
-                    if !replaying && this.floor.is_some_and(|floor| position <= floor) {
-                        continue;
+                QueueItem::Event {
+                    epoch,
+                    position,
+                    frame,
+                } => {
+                    if this.admit_event(epoch, position) {
+                        events += 1;
+                        chunk.push(frame);
                     }
-                    if replaying {
-                        this.floor = Some(this.floor.map_or(position, |floor| floor.max(position)));
-                    }
-                    events += 1;
-                    chunk.push(frame);
                 }
-                QueueItem::Floor(position) => {
-                    this.floor = Some(this.floor.map_or(position, |floor| floor.max(position)));
+                QueueItem::Resync {
+                    epoch,
+                    position,
+                    reason,
+                    frame,
+                } => {
+                    if this.admit_resync(epoch, position, reason) {
+                        this.metrics.resync(reason);
+                        chunk.push(frame);
+                    }
+                }
+                QueueItem::Floor { epoch, position } => {
+                    this.epoch = Some(epoch);
+                    this.floor = Some(position);
                 }
                 QueueItem::Ping => {
                     pings += 1;
                     chunk.push(frame::PING);
                 }
                 QueueItem::Retry(retry_ms) => chunk.push(frame::retry(retry_ms)),
+                // Consumed by `poll_item`.
+                QueueItem::ReplayEnd => {}
             }
             // Returning data means actix polls again, and that poll will find the queue empty
             // (registering the waker) or take what arrived meanwhile; polling the queue now would
@@ -208,13 +287,7 @@ impl MessageBody for SseBody {
             }
         }
         match chunk.into_bytes() {
-            Some(bytes) => {
-                if this.replay.is_some() {
-                    // Replaying is progress too: live events wait behind it, not for the client.
-                    this.live.mark_progress();
-                }
-                Poll::Ready(Some(Ok(bytes)))
-            }
+            Some(bytes) => Poll::Ready(Some(Ok(bytes))),
             None if this.ended && this.control.is_aborted() => Poll::Ready(Some(Err(Evicted))),
             None if this.ended => Poll::Ready(None),
             None => Poll::Pending,

@@ -6,6 +6,8 @@
 
 use bytes::{BufMut, Bytes, BytesMut};
 
+use crate::model::{Cursor, ResyncReason};
+
 pub const PING: Bytes = Bytes::from_static(b": ping\n\n");
 
 /// `retry:` plus a comment, the first bytes of every stream: the comment tells the client (and
@@ -34,6 +36,12 @@ pub fn event(id: &str, event_type: &str, data: &str) -> Bytes {
     }
     out.put_u8(b'\n');
     out.freeze()
+}
+
+/// `event: resync` with the position the client continues from as its `id:`.
+pub fn resync(continue_after: &Cursor, reason: ResyncReason) -> Bytes {
+    let data = format!("{{\"reason\":\"{}\"}}", reason.label());
+    event(&continue_after.to_string(), "resync", &data)
 }
 
 /// Splits on CRLF, CR and LF, the three line ends an SSE parser honours.

@@ -8,6 +8,8 @@
 //! The queue also knows how long its oldest item has waited without the body taking anything:
 //! a client that stopped reading stops the body (actix-http polls it only when the socket
 //! accepts data), so that age is how the Router finds stalled clients before the queue is full.
+//! Not while the body replays a backlog (or waits for its turn to): live events then wait on
+//! purpose, and the replay watches the client's progress itself.
 
 use std::{
     collections::VecDeque,
@@ -38,6 +40,7 @@ pub fn channel(limit: usize) -> (QueueSender, QueueReceiver) {
             senders: 1,
             receiver_alive: true,
             waiting_since: None,
+            replaying: false,
         }),
         waker: AtomicWaker::new(),
         limit,
@@ -67,6 +70,8 @@ struct State {
     receiver_alive: bool,
     /// Since when the oldest waiting item has waited without progress (`None` when empty).
     waiting_since: Option<Instant>,
+    /// The body replays first: waiting items are not a stall.
+    replaying: bool,
 }
 
 impl Shared {
@@ -74,6 +79,16 @@ impl Shared {
         self.state
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    fn stalled_for(&self, now: Instant) -> Option<Duration> {
+        let state = self.lock();
+        if state.replaying {
+            return None;
+        }
+        state
+            .waiting_since
+            .map(|since| now.saturating_duration_since(since))
     }
 }
 
@@ -107,10 +122,27 @@ impl QueueSender {
 
     /// How long the oldest waiting item has waited without the body taking anything.
     pub fn stalled_for(&self, now: Instant) -> Option<Duration> {
-        let state = self.shared.lock();
-        state
-            .waiting_since
-            .map(|since| now.saturating_duration_since(since))
+        self.shared.stalled_for(now)
+    }
+
+    /// A view of the client's progress that does not keep the stream open.
+    pub fn probe(&self) -> QueueProbe {
+        QueueProbe {
+            shared: self.shared.clone(),
+        }
+    }
+}
+
+/// Watches the client's progress after the senders are gone (a drain flushing what is left).
+#[derive(Debug)]
+pub struct QueueProbe {
+    shared: Arc<Shared>,
+}
+
+impl QueueProbe {
+    /// See [`QueueSender::stalled_for`].
+    pub fn stalled_for(&self, now: Instant) -> Option<Duration> {
+        self.shared.stalled_for(now)
     }
 }
 
@@ -176,10 +208,11 @@ impl QueueReceiver {
 }
 
 impl QueueReceiver {
-    /// Restarts the stall clock of waiting items: the body wrote something else first.
-    pub fn mark_progress(&self) {
+    /// While the body replays, waiting items are not a stall; afterwards their clock restarts.
+    pub fn set_replaying(&self, replaying: bool) {
         let mut state = self.shared.lock();
-        if state.waiting_since.is_some() {
+        state.replaying = replaying;
+        if !replaying && state.waiting_since.is_some() {
             state.waiting_since = Some(Instant::now());
         }
     }

@@ -6,6 +6,7 @@
 //! the blanket `dead_code` allowance.
 #![allow(dead_code)]
 
+pub mod conformance;
 pub mod http;
 pub mod hub;
 pub mod metrics;

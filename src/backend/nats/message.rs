@@ -12,19 +12,33 @@ use async_nats::HeaderMap;
 use super::layout::position;
 use crate::{
     backend::StoredEvent,
-    model::{EventType, Target},
+    model::{Epoch, EventType, Target},
 };
 
 /// Device id, or `*` for a broadcast copy.
 pub const DEV_HEADER: &str = "Posthorn-Dev";
 /// Event type; missing means `message`.
 pub const TYPE_HEADER: &str = "Posthorn-Type";
-/// JetStream's own deduplication header: carries the idempotency key.
+/// JetStream's own deduplication header: carries the idempotency key (see [`message_id`]).
 pub const MSG_ID_HEADER: &str = "Nats-Msg-Id";
 
-/// The event stored at `sequence` on `shard`, or `None` when it cannot be delivered.
+/// The `Nats-Msg-Id` of an item with idempotency key `key` as the hub publishes it: scoped to
+/// the item's target, so the same key for another device, for a broadcast, or one that looks like
+/// a derived id never collides. `d/<device>/<key>` for a device; `b/<shard>/<key>` for the copy
+/// of a broadcast on `shard` (its copies need ids of their own: JetStream deduplicates per
+/// stream). Device ids and shard numbers contain no `/`, so no two items share an id.
+pub fn message_id(target: &Target, shard: u32, key: &str) -> String {
+    match target {
+        Target::Device(device) => format!("d/{device}/{key}"),
+        Target::Broadcast => format!("b/{shard}/{key}"),
+    }
+}
+
+/// The event stored at `sequence` on `shard` in life `epoch`, or `None` when it cannot be
+/// delivered.
 pub fn event(
     shard: u32,
+    epoch: &Epoch,
     sequence: u64,
     headers: Option<&HeaderMap>,
     payload: &[u8],
@@ -37,6 +51,7 @@ pub fn event(
     };
     Some(StoredEvent {
         shard,
+        epoch: epoch.clone(),
         position: position(sequence),
         target,
         event_type,
@@ -60,13 +75,21 @@ mod tests {
     /// `message` and `*` is a broadcast copy.
     #[test]
     fn messages_become_events() {
-        let unicast = event(3, 42, Some(&headers(&[(DEV_HEADER, "pos-1")])), b"a\nb").unwrap();
+        let unicast = event(
+            3,
+            &Epoch::new("e").unwrap(),
+            42,
+            Some(&headers(&[(DEV_HEADER, "pos-1")])),
+            b"a\nb",
+        )
+        .unwrap();
         assert_eq!(unicast.position, position(42));
         assert_eq!(unicast.shard, 3);
         assert_eq!(unicast.event_type.as_str(), "message");
         assert_eq!(&*unicast.data, "a\nb");
         let broadcast = event(
             0,
+            &Epoch::new("e").unwrap(),
             7,
             Some(&headers(&[(DEV_HEADER, "*"), (TYPE_HEADER, "price.table")])),
             b"",
@@ -74,6 +97,18 @@ mod tests {
         .unwrap();
         assert_eq!(broadcast.target, Target::Broadcast);
         assert_eq!(broadcast.event_type.as_str(), "price.table");
+    }
+
+    /// Message ids are scoped to the target: no key of one target can produce another's id.
+    #[test]
+    fn message_ids_are_scoped_to_the_target() {
+        let device = Target::Device(crate::model::DeviceId::parse("pos-1").unwrap());
+        assert_eq!(message_id(&device, 9, "k"), "d/pos-1/k");
+        assert_eq!(message_id(&Target::Broadcast, 3, "k"), "b/3/k");
+        assert_ne!(
+            message_id(&Target::Broadcast, 3, "k"),
+            message_id(&device, 3, "k:3")
+        );
     }
 
     /// Messages that cannot be delivered are refused, never a panic.
@@ -92,7 +127,7 @@ mod tests {
         ];
         for (headers, payload) in &cases {
             assert!(
-                event(1, 1, headers.as_ref(), payload).is_none(),
+                event(1, &Epoch::new("e").unwrap(), 1, headers.as_ref(), payload).is_none(),
                 "{headers:?} {payload:?}"
             );
         }

@@ -9,7 +9,8 @@
 //!   stream is adopted, and its max age and duplicate window are set to ours, unless it
 //!   conflicts with the format or with resuming (other subjects, a retention policy that deletes
 //!   consumed messages, no acks, sealed, a mirror): then start-up stops, naming the difference.
-//!   A stream deleted at run time is created again by the next tail check or resume.
+//!   A stream deleted at run time is created again by the next tail check or resume, two
+//!   seconds after it was found gone (nats-server removes the old files in the background).
 //! - **Positions** are stream sequences (`Position { ms: 0, seq }`, see [`layout`]); the tail
 //!   reports message timestamps separately for its lag metric (`TailBatch::newest_ms`).
 //! - **Epoch**: the stream's creation time ([`layout::epoch_of`]), kept in the store, so a
@@ -30,13 +31,19 @@
 //!   Not detected: an operator deleting single messages *between* two retained messages of one
 //!   subject.
 //! - **Append** publishes with headers `Posthorn-Dev`, `Posthorn-Type` and `Nats-Msg-Id` (the
-//!   idempotency key; a broadcast's copy on shard `s` uses `{key}:{s}`), sends a window of
+//!   idempotency key scoped to the item's target, [`message::message_id`]), sends a window of
 //!   publishes and then awaits their acks. JetStream deduplicates within the duplicate window and
-//!   answers a duplicate with the original sequence, which becomes the original cursor.
+//!   answers a duplicate with the original sequence, which becomes the original cursor (the
+//!   original has the same target, so the same shard). Each item is answered on its own: a
+//!   publish that failed or was never acknowledged fails its item only.
 //! - **Replay** (`read_after`) creates an ephemeral pull consumer filtered on the shard's subject
-//!   from `after + 1` and fetches the page, then deletes the consumer: three round trips per page
-//!   whatever its size, and the server does the filtering. Direct gets would cost one round trip
-//!   per message (batched direct gets need nats-server 2.11).
+//!   from `after + 1` and fetches the page, then deletes the consumer and reads the stream's
+//!   epoch: four round trips per page whatever its size, and the server does the filtering.
+//!   Direct gets would cost one round trip per message (batched direct gets need nats-server
+//!   2.11). The epoch read after the fetch labels the page: a consumer lives and dies with the
+//!   stream it was created on, so a page read from a stream that was re-created before the
+//!   consumer was is labelled with the new stream's epoch, and the replay starts over.
+//! - **Lives**: a stream's life starts at sequence 0 (everything in a new stream is new).
 //! - **Trim**: JetStream applies `max_age` itself, to messages from any producer, so the
 //!   periodic trim has nothing to do.
 
@@ -48,7 +55,7 @@ use std::{
     cmp::min,
     ops::Range,
     sync::{Arc, Mutex},
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use async_nats::{
@@ -67,11 +74,12 @@ use futures_util::{future::BoxFuture, FutureExt, StreamExt};
 pub use layout::{layout_of, Layout};
 
 use super::{
-    Appended, Backend, BackendError, BackendResult, NewEvent, ShardState, StoredEvent, Tail,
+    Appended, Backend, BackendError, BackendResult, ItemFailure, ItemOutcome, NewEvent, ReadPage,
+    ShardState, StoredEvent, Tail,
 };
 use crate::{
     config::NatsConfig,
-    model::{shard_of, Cursor, Epoch, Target},
+    model::{shard_of, Cursor, Epoch, Position, Target},
 };
 
 /// How long start-up waits for the connection.
@@ -84,6 +92,9 @@ const PUBLISH_WINDOW: usize = 256;
 const FETCH_MAX: usize = 1000;
 /// A replay consumer whose deletion failed is removed by the server after this.
 const REPLAY_CONSUMER_IDLE: Duration = Duration::from_secs(10);
+/// How long a stream found gone stays gone before the hub creates it again (see
+/// `Inner::wait_before_recreating`).
+const RECREATE_AFTER: Duration = Duration::from_secs(2);
 
 /// The validated `[nats]` section plus the idempotency window of `[publish]`.
 #[derive(Debug, Clone)]
@@ -103,6 +114,8 @@ struct Inner {
     jetstream: jetstream::Context,
     /// The stream's epoch as last seen; stamped on the cursors of appends.
     epoch: Mutex<Epoch>,
+    /// Since when the stream is known to be gone, until it is created again.
+    missing_since: Mutex<Option<Instant>>,
 }
 
 fn unavailable(what: &str, error: impl std::fmt::Display) -> BackendError {
@@ -138,6 +151,7 @@ impl NatsBackend {
             jetstream,
             // Replaced below, before anything reads it.
             epoch: Mutex::new(layout::epoch_of(0)),
+            missing_since: Mutex::new(None),
         };
         let info = inner.adopt_or_create_stream().await?;
         inner.set_epoch(layout::epoch_of(info.created.unix_timestamp_nanos()));
@@ -289,12 +303,15 @@ impl Inner {
                 .map_err(|error| unavailable("stream info", error))?
                 .clone(),
             Err(error) if is_not_found(&error) => {
-                log::warn!(
-                    "nats: stream {} is gone: its events are lost",
-                    self.layout.stream
-                );
-                self.create_stream(wanted_stream(&self.layout, &self.settings))
-                    .await?
+                self.wait_before_recreating()?;
+                let info = self
+                    .create_stream(wanted_stream(&self.layout, &self.settings))
+                    .await?;
+                *self
+                    .missing_since
+                    .lock()
+                    .unwrap_or_else(|poisoned| poisoned.into_inner()) = None;
+                info
             }
             Err(error) => return Err(unavailable("stream info", error)),
         };
@@ -302,7 +319,34 @@ impl Inner {
         Ok(info)
     }
 
-    async fn append(&self, events: Vec<NewEvent>) -> BackendResult<Vec<Appended>> {
+    /// nats-server 2.9 removes a deleted stream's files in the background: a stream of the same
+    /// name created at once can have its first message blocks removed under it, and then loses
+    /// acknowledged messages (seen in tests: "error opening msg block file ... 1.blk"). So a
+    /// stream found gone is created again only [`RECREATE_AFTER`] later; until then callers see
+    /// the backend as unavailable.
+    fn wait_before_recreating(&self) -> BackendResult<()> {
+        let mut missing = self
+            .missing_since
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let since = *missing.get_or_insert_with(|| {
+            log::warn!(
+                "nats: stream {} is gone: its events are lost; creating it again in {}s",
+                self.layout.stream,
+                RECREATE_AFTER.as_secs()
+            );
+            Instant::now()
+        });
+        if since.elapsed() < RECREATE_AFTER {
+            return Err(BackendError::Unavailable(format!(
+                "nats: stream {} is gone and is created again shortly",
+                self.layout.stream
+            )));
+        }
+        Ok(())
+    }
+
+    async fn append(&self, events: Vec<NewEvent>) -> BackendResult<Vec<ItemOutcome>> {
         let epoch = self.epoch();
         let shards = self.layout.shards;
         // Each payload is copied once; its copies share it.
@@ -318,22 +362,38 @@ impl Inner {
                 Target::Broadcast => copies.extend((0..shards).map(|shard| (index, shard))),
             }
         }
-        let mut results: Vec<Option<Appended>> = vec![None; events.len()];
+        let mut items: Vec<ItemTally> = events
+            .iter()
+            .map(|event| ItemTally {
+                copies: match event.target {
+                    Target::Device(_) => 1,
+                    Target::Broadcast => shards as usize,
+                },
+                ..ItemTally::default()
+            })
+            .collect();
         let mut window = Vec::with_capacity(PUBLISH_WINDOW);
+        let mut silent: Option<String> = None;
         for chunk in copies.chunks(PUBLISH_WINDOW) {
+            if let Some(reason) = &silent {
+                // NATS stopped answering: nothing more is sent.
+                for &(index, _) in chunk {
+                    items[index].fail(ItemFailure::NotAppended(reason.clone()));
+                }
+                continue;
+            }
             for &(index, shard) in chunk {
                 let event = &events[index];
                 let mut headers = HeaderMap::new();
                 headers.insert(message::DEV_HEADER, event.target.as_field());
                 headers.insert(message::TYPE_HEADER, event.event_type.as_str());
                 if let Some(key) = &event.key {
-                    let id = match event.target {
-                        Target::Device(_) => key.clone(),
-                        Target::Broadcast => format!("{key}:{shard}"),
-                    };
-                    headers.insert(message::MSG_ID_HEADER, id);
+                    headers.insert(
+                        message::MSG_ID_HEADER,
+                        message::message_id(&event.target, shard, key),
+                    );
                 }
-                let ack = self
+                match self
                     .jetstream
                     .publish_with_headers(
                         self.layout.subject(shard),
@@ -341,37 +401,62 @@ impl Inner {
                         payloads[index].clone(),
                     )
                     .await
-                    .map_err(publish_error)?;
-                window.push((index, shard, ack));
-            }
-            for (index, shard, ack) in window.drain(..) {
-                let ack = ack.await.map_err(publish_error)?;
-                let answers = match events[index].target {
-                    Target::Device(_) => true,
-                    Target::Broadcast => shard == 0,
-                };
-                if answers {
-                    results[index] = Some(Appended {
-                        cursor: Cursor::new(epoch.clone(), shard, layout::position(ack.sequence)),
-                        duplicate: ack.duplicate,
-                    });
+                {
+                    Ok(ack) => window.push((index, shard, ack)),
+                    Err(error) => items[index].fail(publish_failure(error, false)),
                 }
             }
+            let mut acked = 0;
+            for (index, shard, ack) in window.drain(..) {
+                match ack.await {
+                    Ok(ack) => {
+                        acked += 1;
+                        let item = &mut items[index];
+                        item.stored += 1;
+                        let answers = match events[index].target {
+                            Target::Device(_) => true,
+                            Target::Broadcast => shard == 0,
+                        };
+                        if answers {
+                            item.answer = Some(Appended {
+                                cursor: Cursor::new(
+                                    epoch.clone(),
+                                    shard,
+                                    layout::position(ack.sequence),
+                                ),
+                                duplicate: ack.duplicate,
+                            });
+                        }
+                    }
+                    Err(error) => {
+                        let failure = publish_failure(error, true);
+                        if acked == 0 && silent.is_none() {
+                            silent = Some(failure.message().to_string());
+                        }
+                        items[index].fail(failure);
+                    }
+                }
+            }
+            if acked > 0 {
+                silent = None;
+            }
         }
-        results
-            .into_iter()
-            .map(|result| {
-                result.ok_or_else(|| BackendError::Rejected("nats: an event got no ack".into()))
-            })
-            .collect()
+        let outcomes: Vec<ItemOutcome> = items.into_iter().map(ItemTally::outcome).collect();
+        if outcomes
+            .iter()
+            .all(|outcome| matches!(outcome, Err(failure) if !matches!(failure, ItemFailure::Incomplete(_))))
+        {
+            let message = outcomes
+                .iter()
+                .find_map(|outcome| outcome.as_ref().err())
+                .map(|failure| failure.message().to_string())
+                .unwrap_or_default();
+            return Err(BackendError::Unavailable(message));
+        }
+        Ok(outcomes)
     }
 
-    async fn read_after(
-        &self,
-        shard: u32,
-        after: u64,
-        limit: usize,
-    ) -> BackendResult<Vec<StoredEvent>> {
+    async fn read_after(&self, shard: u32, after: u64, limit: usize) -> BackendResult<ReadPage> {
         let consumer = self
             .jetstream
             .create_consumer_on_stream(
@@ -392,7 +477,11 @@ impl Inner {
         let info = consumer.cached_info();
         let name = info.name.clone();
         let mut pending = info.num_pending;
-        let mut events = Vec::new();
+        // Labels the messages until the page's epoch is known (read after the fetch).
+        let reading = self.epoch();
+        let mut events: Vec<StoredEvent> = Vec::new();
+        let mut read = 0;
+        let mut last = None;
         // Skipped messages do not count against `limit`: a short page tells the caller that the
         // shard has nothing more, so it must only be short at the end.
         let fetched = async {
@@ -412,8 +501,15 @@ impl Inner {
                         .info()
                         .map_err(|error| unavailable("message info", error))?
                         .stream_sequence;
-                    let parsed =
-                        message::event(shard, sequence, message.headers.as_ref(), &message.payload);
+                    let parsed = message::event(
+                        shard,
+                        &reading,
+                        sequence,
+                        message.headers.as_ref(),
+                        &message.payload,
+                    );
+                    read += 1;
+                    last = Some(layout::position(sequence));
                     events.extend(parsed);
                 }
                 if got == 0 {
@@ -433,12 +529,27 @@ impl Inner {
             log::debug!("nats: replay consumer {name} is left to expire: {error}");
         }
         match outcome {
-            Ok(Ok(())) => Ok(events),
-            Ok(Err(error)) => Err(error),
-            Err(_) => Err(BackendError::Unavailable(
-                "nats: replay fetch did not complete in time".into(),
-            )),
+            Ok(Ok(())) => {}
+            Ok(Err(error)) => return Err(error),
+            Err(_) => {
+                return Err(BackendError::Unavailable(
+                    "nats: replay fetch did not complete in time".into(),
+                ))
+            }
         }
+        let info = self.stream_info().await?;
+        let epoch = layout::epoch_of(info.created.unix_timestamp_nanos());
+        if epoch != reading {
+            for event in &mut events {
+                event.epoch = epoch.clone();
+            }
+        }
+        Ok(ReadPage {
+            epoch,
+            events,
+            read,
+            last,
+        })
     }
 
     async fn shard_state(&self, shard: u32) -> BackendResult<ShardState> {
@@ -465,8 +576,10 @@ impl Inner {
         };
         Ok(ShardState {
             epoch,
+            start: Position::ZERO,
             head: layout::position(state.last_sequence),
             trimmed_through: layout::position(trimmed),
+            probe: None,
         })
     }
 
@@ -482,12 +595,54 @@ impl Inner {
     }
 }
 
-fn publish_error(error: jetstream::context::PublishError) -> BackendError {
+/// What a failed publish means for its item: refused by JetStream (certainly not stored), or a
+/// lost or unanswered publish (`acking`: it was sent, so it may be stored).
+fn publish_failure(error: jetstream::context::PublishError, acking: bool) -> ItemFailure {
     match error.kind() {
         PublishErrorKind::Other | PublishErrorKind::WrongLastMessageId => {
-            BackendError::Rejected(format!("nats: publish refused: {error}"))
+            ItemFailure::NotAppended(format!("nats: publish refused: {error}"))
         }
-        _ => unavailable("publish", error),
+        _ if acking => ItemFailure::Unknown(format!(
+            "nats: publish not acknowledged ({error}); it may or may not be stored: retry it \
+             with its key"
+        )),
+        _ => ItemFailure::NotAppended(format!("nats: publish failed: {error}")),
+    }
+}
+
+/// What happened to the copies of one item.
+#[derive(Default)]
+struct ItemTally {
+    copies: usize,
+    stored: usize,
+    answer: Option<Appended>,
+    failure: Option<ItemFailure>,
+}
+
+impl ItemTally {
+    fn fail(&mut self, failure: ItemFailure) {
+        // An unknown outcome says more than a refusal.
+        if !self
+            .failure
+            .as_ref()
+            .is_some_and(|known| matches!(known, ItemFailure::Unknown(_)))
+        {
+            self.failure = Some(failure);
+        }
+    }
+
+    fn outcome(self) -> ItemOutcome {
+        match (self.failure, self.answer) {
+            (None, Some(answer)) if self.stored == self.copies => Ok(answer),
+            (None, _) => Err(ItemFailure::Unknown("nats: an event got no ack".into())),
+            (Some(failure), _) if self.stored > 0 => Err(ItemFailure::Incomplete(format!(
+                "the broadcast reached {} of {} shards ({}); retry it with its key to complete it",
+                self.stored,
+                self.copies,
+                failure.message()
+            ))),
+            (Some(failure), _) => Err(failure),
+        }
     }
 }
 
@@ -539,7 +694,7 @@ impl Backend for NatsBackend {
         std::iter::once(0..self.inner.layout.shards).collect()
     }
 
-    fn append(&self, events: Vec<NewEvent>) -> BoxFuture<'_, BackendResult<Vec<Appended>>> {
+    fn append(&self, events: Vec<NewEvent>) -> BoxFuture<'_, BackendResult<Vec<ItemOutcome>>> {
         self.inner.append(events).boxed()
     }
 
@@ -555,13 +710,18 @@ impl Backend for NatsBackend {
     fn read_after(
         &self,
         shard: u32,
-        after: crate::model::Position,
+        after: Position,
         limit: usize,
-    ) -> BoxFuture<'_, BackendResult<Vec<StoredEvent>>> {
+    ) -> BoxFuture<'_, BackendResult<ReadPage>> {
         self.inner.read_after(shard, after.seq, limit).boxed()
     }
 
-    fn shard_state(&self, shard: u32) -> BoxFuture<'_, BackendResult<ShardState>> {
+    /// JetStream cannot tell cheaply whether one sequence is stored: `probe` is not looked at.
+    fn shard_state(
+        &self,
+        shard: u32,
+        _probe: Option<Position>,
+    ) -> BoxFuture<'_, BackendResult<ShardState>> {
         self.inner.shard_state(shard).boxed()
     }
 

@@ -11,9 +11,11 @@
 //!
 //! Every [`CHECK_EVERY`], after any error and before every new consumer, it reads the stream's
 //! info: a new epoch (the stream was deleted and recreated) gives every shard `resync`
-//! `data_lost` and reading continues after the new stream's last sequence; a first sequence past
-//! what the tail read (retention removed messages it never saw, e.g. during a long disconnect)
-//! gives every shard `resync` `expired`. Every shard, because the stream state does not say which
+//! `data_lost` at the new life's start (sequence 0), and reading continues from there, so every
+//! message of the new stream is delivered after the resync; a last sequence below what the tail
+//! read (the stream went back in time) gives `data_lost` at the new last sequence; a first
+//! sequence past what the tail read (retention removed messages it never saw, e.g. during a long
+//! disconnect) gives every shard `resync` `expired`. Every shard, because the stream state does not say which
 //! subjects the removed messages were on. A message whose sequence is not the next one (removed
 //! before the consumer delivered it) is such a loss too. The stream holds only our subjects (a
 //! conflicting stream is refused at start-up), so every sequence reaches this consumer.
@@ -28,8 +30,8 @@ use futures_util::{future::BoxFuture, FutureExt, StreamExt};
 
 use super::{layout, message, unavailable, Inner};
 use crate::{
-    backend::{BackendError, BackendResult, Gap, GapReason, Tail, TailBatch},
-    model::{Cursor, Epoch, Position},
+    backend::{BackendError, BackendResult, Gap, Tail, TailBatch},
+    model::{Cursor, Epoch, Position, ResyncReason},
 };
 
 const CHECK_EVERY: Duration = Duration::from_secs(2);
@@ -108,7 +110,7 @@ impl NatsTail {
         Ok(())
     }
 
-    fn gaps(&self, reason: GapReason, gaps: &mut Vec<Gap>) {
+    fn gaps(&self, reason: ResyncReason, gaps: &mut Vec<Gap>) {
         let position = layout::position(self.last);
         gaps.extend((0..self.inner.layout.shards).map(|shard| Gap {
             cursor: Cursor::new(self.epoch.clone(), shard, position),
@@ -127,13 +129,23 @@ impl NatsTail {
                 self.inner.layout.stream
             );
             self.epoch = epoch;
+            self.last = 0;
+            self.messages = None;
+            self.gaps(ResyncReason::DataLost, gaps);
+        } else if info.state.last_sequence < self.last {
+            log::warn!(
+                "nats stream {} went back from sequence {} to {}: events were lost",
+                self.inner.layout.stream,
+                self.last,
+                info.state.last_sequence
+            );
             self.last = info.state.last_sequence;
             self.messages = None;
-            self.gaps(GapReason::DataLost, gaps);
+            self.gaps(ResyncReason::DataLost, gaps);
         } else if first.saturating_sub(1) > self.last {
             self.last = first - 1;
             self.messages = None;
-            self.gaps(GapReason::Expired, gaps);
+            self.gaps(ResyncReason::Expired, gaps);
         }
         self.last_check = Instant::now();
         Ok(())
@@ -173,7 +185,7 @@ impl NatsTail {
                 self.last + 1
             );
             self.last = sequence - 1;
-            self.gaps(GapReason::Expired, &mut batch.gaps);
+            self.gaps(ResyncReason::Expired, &mut batch.gaps);
         }
         self.last = sequence;
         batch.newest_ms = Some(published_ms);
@@ -184,6 +196,7 @@ impl NatsTail {
             .and_then(|shard| {
                 message::event(
                     shard,
+                    &self.epoch,
                     sequence,
                     delivery.headers.as_ref(),
                     &delivery.payload,
@@ -208,7 +221,6 @@ impl NatsTail {
             }
             self.read_messages(&mut batch).await?;
         }
-        batch.epoch = Some(self.epoch.clone());
         Ok(batch)
     }
 

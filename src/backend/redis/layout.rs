@@ -1,5 +1,5 @@
-//! Where shards live in Redis (SPEC 3): stream keys, node groups, and the per-group keys that
-//! must share a slot with the group's streams (epoch, idempotency keys).
+//! Where shards live in Redis: stream keys, node groups, and the per-group keys that must share a
+//! slot with the group's streams (idempotency keys, the trim lease).
 //!
 //! Groups are contiguous, even shard ranges: `group = shard * groups / shards`. In cluster mode
 //! every key of a group carries the hash tag `{g<group>}`, so one XREAD (and one append script)
@@ -41,14 +41,21 @@ impl Layout {
         format!("{}:{shard}", self.group_prefix(self.group_of(shard)))
     }
 
-    /// Holds the group's epoch: the name of the current life of its data.
-    pub fn epoch_key(&self, group: usize) -> String {
-        format!("{}:epoch", self.group_prefix(group))
+    /// A key of `group`'s slot, to route the group's scripts in a cluster.
+    pub fn group_key(&self, group: usize) -> String {
+        self.stream_key(self.shards_of(group).start)
     }
 
-    /// Remembers an accepted idempotency key (and the id it was answered with) for the window.
-    pub fn dedupe_key(&self, group: usize, key: &str) -> String {
-        format!("{}:dedupe:{key}", self.group_prefix(group))
+    /// Remembers an accepted idempotency key of one target (a device id, or `*` for a
+    /// broadcast) and the cursor it was answered with, for the dedupe window. Device ids cannot
+    /// contain `/`, so no two (target, key) pairs share a name.
+    pub fn dedupe_key(&self, group: usize, target: &str, key: &str) -> String {
+        format!("{}:dedupe:{target}/{key}", self.group_prefix(group))
+    }
+
+    /// Held by the one pod that applies retention to the group's streams.
+    pub fn trim_lease_key(&self, group: usize) -> String {
+        format!("{}:trim-lease", self.group_prefix(group))
     }
 }
 
@@ -74,8 +81,16 @@ mod tests {
         assert_eq!(cluster.stream_key(15), "pos-ev:{g0}:15");
         assert_eq!(cluster.stream_key(16), "pos-ev:{g1}:16");
         assert_eq!(cluster.stream_key(63), "pos-ev:{g3}:63");
-        assert_eq!(cluster.epoch_key(2), "pos-ev:{g2}:epoch");
-        assert_eq!(cluster.dedupe_key(1, "k"), "pos-ev:{g1}:dedupe:k");
+        assert_eq!(cluster.trim_lease_key(2), "pos-ev:{g2}:trim-lease");
+        assert_eq!(
+            cluster.dedupe_key(1, "pos-17", "k"),
+            "pos-ev:{g1}:dedupe:pos-17/k"
+        );
+        assert_eq!(
+            cluster.dedupe_key(1, "*", "k:3"),
+            "pos-ev:{g1}:dedupe:*/k:3"
+        );
+        assert_eq!(cluster.group_key(1), "pos-ev:{g1}:16");
     }
 
     /// Group ranges are contiguous, cover every shard once, and agree with `group_of`.

@@ -1,28 +1,36 @@
-//! The Redis Streams backend (SPEC 3): one stream per shard, one StreamTail per node group.
+//! The Redis Streams backend: one stream per shard, one StreamTail per node group
+//! (docs/stream-format.md has the keys and fields).
 //!
 //! Topologies: one standalone instance (`redis.url`, one group), several standalone instances
 //! (`redis.urls`, one group each, shards split evenly in order), or a Redis Cluster
 //! (`redis.cluster`, `redis.groups` hash-tag groups). See [`Layout`] for the keys.
 //!
-//! - **Append** is one Lua script per group and request: it makes sure the group has an epoch,
-//!   checks each idempotency key, `XADD`s with `MINID ~` (age) and `XTRIM MAXLEN ~` (length cap),
-//!   and remembers the key with the id it got, all atomically; a retried publish never appends
-//!   twice. A broadcast is one item per group (a copy on each of the group's shards), deduplicated
-//!   per group, so a retry after a partial failure completes the missing groups.
-//! - **Epoch**: a random name stored under the group's epoch key (`SET` if missing). A Redis that
-//!   lost its data (restart without persistence, FLUSHALL) lost that key too, so the next hub to
-//!   touch the group writes a new one and every older cursor answers `resync` `data_lost`.
-//! - **Resume** reads `XRANGE key (after + COUNT n` page by page; `XINFO STREAM` gives the head
-//!   (`last-generated-id`) and what trimming removed (`max-deleted-entry-id`, Redis 7).
+//! - **Append** is one Lua script per group and request ([`scripts::APPEND`]): it checks each
+//!   idempotency key (scoped to the item's target), `XADD`s with `MINID ~` (age, on Redis' clock)
+//!   and `XTRIM MAXLEN ~` (length cap), and remembers the key with the cursor it answered, all
+//!   atomically; a retried publish never appends twice. A broadcast is one item per group (a copy
+//!   on each of the group's shards), deduplicated per group, so a retry after a partial failure
+//!   completes the missing groups. Groups fail independently: each item is answered on its own.
+//! - **Epochs live in the streams** ([`scripts`]): a consumer group `posthorn:epoch:<epoch>` on
+//!   each stream names its life. Whatever removes a stream (FLUSHALL, a restart without
+//!   persistence, DEL, eviction) removes its name too, and the next touch names a new life.
+//! - **Going back in time** (a restart from an older snapshot, a failover to a lagging replica)
+//!   keeps the old name on older data. Every pod remembers, per shard, the newest position it
+//!   knows was stored (what it appended and what its tail read: [`Watermarks`]); a check that
+//!   finds it neither stored nor trimmed starts a new life ([`scripts::START_NEW_LIFE`]). A
+//!   resume also looks for the cursor's own entry: missing and not trimmed means `data_lost`.
+//! - **Resume** reads pages with [`scripts::READ`] (XRANGE plus the life it read in).
+//! - **Trimming** runs on Redis' clock under a lease, one pod per group at a time.
 
 mod layout;
 mod reply;
+mod scripts;
 mod tail;
 
 use std::{
     ops::Range,
-    sync::Arc,
-    time::{Duration, SystemTime, UNIX_EPOCH},
+    sync::{Arc, Mutex},
+    time::Duration,
 };
 
 use fred::{
@@ -35,7 +43,8 @@ use futures_util::{future::BoxFuture, FutureExt};
 pub use layout::Layout;
 
 use super::{
-    Appended, Backend, BackendError, BackendResult, NewEvent, ShardState, StoredEvent, Tail,
+    trim_interval, Appended, Backend, BackendError, BackendResult, ItemFailure, ItemOutcome,
+    NewEvent, ReadPage, ShardState, Tail,
 };
 use crate::{
     config::RedisConfig,
@@ -83,17 +92,47 @@ struct Inner {
     /// One client per instance; a cluster has one client for all groups.
     clients: Vec<Client>,
     settings: RedisSettings,
+    watermarks: Watermarks,
+    /// This pod's name in trim leases.
+    trim_token: String,
+}
+
+/// Per shard, the newest position this pod knows was stored, and in which life: what it appended
+/// and what its tail read. If a check later finds it neither stored nor trimmed, the stream went
+/// back in time.
+#[derive(Default)]
+struct Watermarks(Mutex<Vec<Option<(Epoch, Position)>>>);
+
+impl Watermarks {
+    fn new(shards: u32) -> Self {
+        Self(Mutex::new(vec![None; shards as usize]))
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Option<(Epoch, Position)>>> {
+        self.0
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Records that `position` of life `epoch` is stored on `shard`; a newer life replaces an
+    /// older one.
+    fn saw(&self, shard: u32, epoch: &Epoch, position: Position) {
+        let mut marks = self.lock();
+        let mark = &mut marks[shard as usize];
+        match mark {
+            Some((known, newest)) if known == epoch => *newest = (*newest).max(position),
+            _ => *mark = Some((epoch.clone(), position)),
+        }
+    }
+
+    /// The position to look for on `shard` if the stream is (still) in life `epoch`.
+    fn of(&self, shard: u32) -> Option<(Epoch, Position)> {
+        self.lock()[shard as usize].clone()
+    }
 }
 
 fn unavailable(error: fred::error::Error) -> BackendError {
     BackendError::Unavailable(format!("redis: {error}"))
-}
-
-fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
 }
 
 fn build_client(config: Config) -> Result<Client, BackendError> {
@@ -103,10 +142,10 @@ fn build_client(config: Config) -> Result<Client, BackendError> {
             connection.internal_command_timeout = Duration::from_secs(5);
             connection.tcp.nodelay = Some(true);
             // Never re-send a command whose connection died in flight: an append script may have
-            // run already. The caller sees an error (503) and retries with its idempotency key.
+            // run already. The caller sees an error (outcome unknown) and retries with its key.
             connection.max_command_attempts = 1;
         })
-        // During an outage a publish answers 503 after this, instead of waiting for Redis.
+        // During an outage a publish answers after this, instead of waiting for Redis.
         .with_performance_config(|performance| {
             performance.default_command_timeout = COMMAND_TIMEOUT;
         })
@@ -137,17 +176,22 @@ impl RedisBackend {
         for client in &clients {
             init(client).await?;
         }
+        let layout = settings.layout();
         let backend = Self {
             inner: Arc::new(Inner {
-                layout: settings.layout(),
+                watermarks: Watermarks::new(layout.shards),
+                layout,
                 clients,
                 settings,
+                trim_token: Epoch::random().as_str().to_string(),
             }),
         };
         // Fail at start-up, not on the first publish, when keys would cross slots or the server
-        // lacks what we need (Redis 7 for XINFO's max-deleted-entry-id).
+        // lacks what we need (Redis 7 for XINFO's entries-added and max-deleted-entry-id). This
+        // also names the life of every stream that has none yet.
         for group in 0..backend.inner.layout.groups as usize {
-            backend.inner.ensure_epoch(group).await?;
+            let shards: Vec<u32> = backend.inner.layout.shards_of(group).collect();
+            backend.inner.check(group, &shards, &[]).await?;
         }
         Ok(backend)
     }
@@ -164,77 +208,42 @@ async fn init(client: &Client) -> BackendResult<()> {
     }
 }
 
-/// Reads the group's epoch (`KEYS[1]`), writing the fresh one in `ARGV[1]` when it is missing:
-/// a Redis that lost its data lost this key too. Shared by both scripts below.
-macro_rules! ensure_epoch_lua {
-    () => {
-        r#"
-local epoch = redis.call('GET', KEYS[1])
-if not epoch then
-  redis.call('SET', KEYS[1], ARGV[1])
-  epoch = ARGV[1]
-end
-"#
-    };
+/// What [`scripts::CHECK`] found about one stream, plus how a resume or a tail must treat it.
+#[derive(Debug, Clone)]
+struct StreamCheck {
+    shard: u32,
+    epoch: Epoch,
+    start: Position,
+    head: Position,
+    trimmed_through: Position,
+    /// Whether the cursor's position asked about is stored.
+    cursor_found: Option<bool>,
 }
 
-const ENSURE_EPOCH: &str = concat!(ensure_epoch_lua!(), "return epoch\n");
-
-/// KEYS[1] = epoch key, then every stream and dedupe key the items refer to (one slot).
-/// ARGV: new epoch, MINID threshold, MAXLEN cap, dedupe window (ms), item count, then per item:
-/// dedupe key index (0 = none), dev, type, data, key, stream count, stream key indexes...
-/// Returns {epoch, id, duplicate (0/1), id, duplicate, ...}: the first stream's id per item.
-const APPEND: &str = concat!(
-    ensure_epoch_lua!(),
-    r#"
-local out = {epoch}
-local at = 6
-for _ = 1, tonumber(ARGV[5]) do
-  local dedupe = tonumber(ARGV[at])
-  local dev, kind, data, key = ARGV[at + 1], ARGV[at + 2], ARGV[at + 3], ARGV[at + 4]
-  local streams = tonumber(ARGV[at + 5])
-  local first = at + 6
-  at = first + streams
-  local previous = false
-  if dedupe > 0 then previous = redis.call('GET', KEYS[dedupe]) end
-  if previous then
-    table.insert(out, previous)
-    table.insert(out, 1)
-  else
-    local id0 = false
-    for s = 0, streams - 1 do
-      local stream = KEYS[tonumber(ARGV[first + s])]
-      local id
-      if key ~= '' then
-        id = redis.call('XADD', stream, 'MINID', '~', ARGV[2], '*', 'dev', dev, 'type', kind, 'data', data, 'key', key)
-      else
-        id = redis.call('XADD', stream, 'MINID', '~', ARGV[2], '*', 'dev', dev, 'type', kind, 'data', data)
-      end
-      redis.call('XTRIM', stream, 'MAXLEN', '~', ARGV[3])
-      if not id0 then id0 = id end
-    end
-    if dedupe > 0 then redis.call('SET', KEYS[dedupe], id0, 'PX', ARGV[4]) end
-    table.insert(out, id0)
-    table.insert(out, 0)
-  end
-end
-return out
-"#
-);
+impl StreamCheck {
+    fn state(&self) -> ShardState {
+        ShardState {
+            epoch: self.epoch.clone(),
+            start: self.start,
+            head: self.head,
+            trimmed_through: self.trimmed_through,
+            probe: self.cursor_found,
+        }
+    }
+}
 
 /// The script call of one group: its keys, arguments, and which request item each answer is for.
 struct GroupCall {
     keys: Vec<String>,
     args: Vec<Value>,
-    /// Per script item: the request index it answers (None: a broadcast's copies outside group 0)
-    /// and the shard of its first stream.
-    answers: Vec<(Option<usize>, u32)>,
+    /// Per script item: the request index it answers (None: a broadcast's copies outside group 0).
+    answers: Vec<Option<usize>>,
 }
 
 impl GroupCall {
-    fn new(epoch_key: String) -> Self {
+    fn new() -> Self {
         Self {
-            keys: vec![epoch_key],
+            keys: Vec::new(),
             args: Vec::new(),
             answers: Vec::new(),
         }
@@ -259,13 +268,11 @@ impl GroupCall {
         shards: Range<u32>,
         answers: Option<usize>,
     ) {
-        let dedupe = event
-            .key
-            .as_ref()
-            .map_or(0, |key| self.key(layout.dedupe_key(group, key)));
-        let streams: Vec<usize> = shards
-            .clone()
-            .map(|shard| self.key(layout.stream_key(shard)))
+        let dedupe = event.key.as_ref().map_or(0, |key| {
+            self.key(layout.dedupe_key(group, event.target.as_field(), key))
+        });
+        let streams: Vec<(usize, u32)> = shards
+            .map(|shard| (self.key(layout.stream_key(shard)), shard))
             .collect();
         self.args.extend([
             Value::from(dedupe as i64),
@@ -275,9 +282,11 @@ impl GroupCall {
             Value::from(event.key.as_deref().unwrap_or("")),
             Value::from(streams.len() as i64),
         ]);
-        self.args
-            .extend(streams.into_iter().map(|index| Value::from(index as i64)));
-        self.answers.push((answers, shards.start));
+        for (index, shard) in streams {
+            self.args.push(Value::from(index as i64));
+            self.args.push(Value::from(i64::from(shard)));
+        }
+        self.answers.push(answers);
     }
 }
 
@@ -289,7 +298,7 @@ impl Inner {
     /// Routes a command to the slot of the group's hash tag (cluster) or to its instance.
     fn hash(&self, group: usize) -> ClusterHash {
         if self.layout.cluster {
-            ClusterHash::Custom(redis_keyslot(self.layout.epoch_key(group).as_bytes()))
+            ClusterHash::Custom(redis_keyslot(self.layout.group_key(group).as_bytes()))
         } else {
             ClusterHash::FirstKey
         }
@@ -323,106 +332,168 @@ impl Inner {
         self.command(group, "EVAL", all).await
     }
 
-    async fn ensure_epoch(&self, group: usize) -> BackendResult<Epoch> {
+    /// The life and state of `shards` (all of `group`), looking for each shard's position in
+    /// `cursors` (same order; missing = none). A stream that went back in time behind this pod's
+    /// watermark gets a new life here, before anything is answered from it.
+    async fn check(
+        &self,
+        group: usize,
+        shards: &[u32],
+        cursors: &[Option<Position>],
+    ) -> BackendResult<Vec<StreamCheck>> {
+        let marks: Vec<Option<(Epoch, Position)>> = shards
+            .iter()
+            .map(|shard| self.watermarks.of(*shard))
+            .collect();
+        let mut args = vec![Value::from(Epoch::random().as_str())];
+        for (index, shard) in shards.iter().enumerate() {
+            let cursor = cursors.get(index).copied().flatten();
+            let mark = marks[index].as_ref().map(|(_, position)| *position);
+            args.push(Value::from(i64::from(*shard)));
+            args.push(probe_arg(cursor));
+            args.push(probe_arg(mark));
+        }
+        let keys = shards.iter().map(|s| self.layout.stream_key(*s)).collect();
+        let reply = self.eval(group, scripts::CHECK, keys, args).await?;
+        let rows = reply::items(&reply);
+        if rows.len() != shards.len() {
+            return Err(bad_reply("check"));
+        }
+        let mut checks = Vec::with_capacity(shards.len());
+        for ((row, shard), mark) in rows.iter().zip(shards).zip(marks) {
+            let (mut check, mark_found) = parse_check(*shard, row)?;
+            if let Some((epoch, position)) = mark {
+                if epoch == check.epoch
+                    && mark_found == Some(false)
+                    && position > check.trimmed_through
+                {
+                    log::warn!(
+                        "redis stream {} lost position {position} it had stored (a restart from \
+                         older data or a failover to a lagging replica): a new life begins",
+                        self.layout.stream_key(*shard)
+                    );
+                    let (epoch, start) =
+                        self.start_new_life(group, *shard, &epoch, position).await?;
+                    check.epoch = epoch;
+                    check.start = start;
+                    // The cursor was judged against the old life; the epoch alone now decides.
+                    check.cursor_found = None;
+                }
+            }
+            self.watermarks.saw(*shard, &check.epoch, check.start);
+            checks.push(check);
+        }
+        Ok(checks)
+    }
+
+    async fn start_new_life(
+        &self,
+        group: usize,
+        shard: u32,
+        lost: &Epoch,
+        missing: Position,
+    ) -> BackendResult<(Epoch, Position)> {
+        let fresh = format!("{}{shard}", Epoch::random().as_str());
         let reply = self
             .eval(
                 group,
-                ENSURE_EPOCH,
-                vec![self.layout.epoch_key(group)],
-                vec![Value::from(Epoch::random().as_str())],
+                scripts::START_NEW_LIFE,
+                vec![self.layout.stream_key(shard)],
+                vec![
+                    Value::from(lost.as_str()),
+                    Value::from(fresh.as_str()),
+                    Value::from(missing.to_string()),
+                ],
             )
             .await?;
-        parse_epoch(&reply)
-    }
-
-    /// Head (`last-generated-id`) of a shard's stream and the highest position that may have been
-    /// removed from it (`ShardState::trimmed_through`); zeros when the stream does not exist.
-    async fn stream_info(&self, shard: u32) -> BackendResult<(Position, Position)> {
-        let group = self.layout.group_of(shard);
-        let key = self.layout.stream_key(shard);
-        match self
-            .command(
-                group,
-                "XINFO",
-                vec![Value::from("STREAM"), Value::from(key)],
-            )
-            .await
-        {
-            Ok(info) => {
-                let head = reply::field(&info, "last-generated-id")
-                    .and_then(reply::position)
-                    .unwrap_or_default();
-                Ok((head, removed_through(&info, head)?))
-            }
-            Err(BackendError::Unavailable(message)) if message.contains("no such key") => {
-                Ok(Default::default())
-            }
-            Err(error) => Err(error),
+        match reply::items(&reply) {
+            [epoch, start] => Ok((
+                parse_epoch(epoch)?,
+                reply::position(start).ok_or_else(|| bad_reply("new life start"))?,
+            )),
+            _ => Err(bad_reply("new life")),
         }
     }
 
-    fn minid(&self) -> String {
-        now_ms()
-            .saturating_sub(self.settings.redis.retention.as_millis() as u64)
-            .to_string()
-    }
-
-    async fn append(&self, events: Vec<NewEvent>) -> BackendResult<Vec<Appended>> {
+    async fn append(&self, events: Vec<NewEvent>) -> BackendResult<Vec<ItemOutcome>> {
         let layout = &self.layout;
         let groups = layout.groups as usize;
-        let mut calls: Vec<GroupCall> = (0..groups)
-            .map(|g| GroupCall::new(layout.epoch_key(g)))
-            .collect();
+        let mut calls: Vec<GroupCall> = (0..groups).map(|_| GroupCall::new()).collect();
+        // Per request item: the groups it was sent to.
+        let mut spans: Vec<Range<usize>> = Vec::with_capacity(events.len());
         for (index, event) in events.iter().enumerate() {
             match &event.target {
                 Target::Device(device) => {
                     let shard = crate::model::shard_of(device.as_str(), layout.shards);
                     let group = layout.group_of(shard);
                     calls[group].push(layout, group, event, shard..shard + 1, Some(index));
+                    spans.push(group..group + 1);
                 }
                 Target::Broadcast => {
                     for (group, call) in calls.iter_mut().enumerate() {
                         let answers = (group == 0).then_some(index);
                         call.push(layout, group, event, layout.shards_of(group), answers);
                     }
+                    spans.push(0..groups);
                 }
             }
         }
-        let mut results: Vec<Option<Appended>> = vec![None; events.len()];
+        let mut answered: Vec<Option<Appended>> = vec![None; events.len()];
+        let mut failed: Vec<Option<BackendError>> = vec![None; groups];
         for (group, call) in calls.into_iter().enumerate() {
             if call.answers.is_empty() {
                 continue;
             }
             let mut args = vec![
                 Value::from(Epoch::random().as_str()),
-                Value::from(self.minid()),
+                Value::from(self.settings.redis.retention.as_millis() as i64),
                 Value::from(self.settings.redis.max_len as i64),
                 Value::from(self.settings.dedupe_window.as_millis() as i64),
                 Value::from(call.answers.len() as i64),
             ];
             args.extend(call.args);
-            let reply = self.eval(group, APPEND, call.keys, args).await?;
-            let items = reply::items(&reply);
-            let epoch = items
-                .first()
-                .map(parse_epoch)
-                .transpose()?
-                .ok_or_else(|| bad_reply("append"))?;
-            for ((answers, shard), pair) in call.answers.iter().zip(items[1..].chunks(2)) {
-                let (Some(index), [id, duplicate]) = (answers, pair) else {
+            let reply = match self.eval(group, scripts::APPEND, call.keys, args).await {
+                Ok(reply) => reply,
+                Err(error) => {
+                    failed[group] = Some(error);
                     continue;
-                };
-                let position = reply::position(id).ok_or_else(|| bad_reply("append id"))?;
-                results[*index] = Some(Appended {
-                    cursor: Cursor::new(epoch.clone(), *shard, position),
-                    duplicate: matches!(duplicate, Value::Integer(1)),
-                });
+                }
+            };
+            let items = reply::items(&reply);
+            if items.len() != 2 * call.answers.len() {
+                failed[group] = Some(bad_reply("append"));
+                continue;
+            }
+            for (answers, pair) in call.answers.iter().zip(items.chunks(2)) {
+                let cursor = reply::text(&pair[0])
+                    .and_then(|text| Cursor::parse(text).ok())
+                    .ok_or_else(|| bad_reply("append cursor"))?;
+                self.watermarks
+                    .saw(cursor.shard, &cursor.epoch, cursor.position);
+                if let Some(index) = answers {
+                    answered[*index] = Some(Appended {
+                        cursor,
+                        duplicate: matches!(pair[1], Value::Integer(1)),
+                    });
+                }
             }
         }
-        results
+        if failed.iter().all(Option::is_none) {
+            return answered
+                .into_iter()
+                .map(|item| item.map(Ok).ok_or_else(|| bad_reply("append answers")))
+                .collect();
+        }
+        if failed.iter().flatten().count() == calls_made(&spans, groups) {
+            // Nothing is known to be stored: the request failed as a whole.
+            let error = failed.into_iter().flatten().next();
+            return Err(error.unwrap_or_else(|| bad_reply("append")));
+        }
+        Ok(answered
             .into_iter()
-            .map(|result| result.ok_or_else(|| bad_reply("append answers")))
-            .collect()
+            .zip(spans)
+            .map(|(item, span)| item_outcome(item, &failed[span]))
+            .collect())
     }
 
     async fn read_after(
@@ -430,93 +501,179 @@ impl Inner {
         shard: u32,
         after: Position,
         limit: usize,
-    ) -> BackendResult<Vec<StoredEvent>> {
+    ) -> BackendResult<ReadPage> {
         let group = self.layout.group_of(shard);
-        let mut events = Vec::new();
-        let mut after = after;
-        // Entries that cannot be delivered are skipped, so one XRANGE may yield fewer than it
-        // read; the caller takes a short page for the end of the stream, so read on until the
-        // page is full or the stream really ended.
-        loop {
-            let wanted = limit - events.len();
-            let args = vec![
-                Value::from(self.layout.stream_key(shard)),
-                Value::from(format!("({after}")),
-                Value::from("+"),
-                Value::from("COUNT"),
-                Value::from(wanted as i64),
-            ];
-            let reply = self.command(group, "XRANGE", args).await?;
-            let page = reply::entries(shard, &reply);
-            let read = page.events.len() as u64 + page.skipped;
-            events.extend(page.events);
-            match page.last {
-                Some(last) if read == wanted as u64 && events.len() < limit => after = last,
-                _ => return Ok(events),
-            }
-        }
+        let reply = self
+            .eval(
+                group,
+                scripts::READ,
+                vec![self.layout.stream_key(shard)],
+                vec![
+                    Value::from(format!("({after}")),
+                    Value::from(limit as i64),
+                    Value::from(format!("{}{shard}", Epoch::random().as_str())),
+                ],
+            )
+            .await?;
+        let [epoch, entries] = reply::items(&reply) else {
+            return Err(bad_reply("read"));
+        };
+        let epoch = parse_epoch(epoch)?;
+        let page = reply::entries(shard, &epoch, entries);
+        Ok(ReadPage {
+            epoch,
+            read: page.events.len() + page.skipped as usize,
+            last: page.last,
+            events: page.events,
+        })
     }
 
     async fn trim(&self, group: usize) -> BackendResult<()> {
-        let minid = self.minid();
-        for shard in self.layout.shards_of(group) {
-            let key = self.layout.stream_key(shard);
-            for (strategy, threshold) in [
-                ("MINID", Value::from(minid.as_str())),
-                ("MAXLEN", Value::from(self.settings.redis.max_len as i64)),
-            ] {
-                let args = vec![
-                    Value::from(key.as_str()),
-                    Value::from(strategy),
-                    Value::from("~"),
-                    threshold,
-                ];
-                self.command(group, "XTRIM", args).await?;
-            }
+        let retention = self.settings.redis.retention;
+        let mut keys = vec![self.layout.trim_lease_key(group)];
+        keys.extend(
+            self.layout
+                .shards_of(group)
+                .map(|shard| self.layout.stream_key(shard)),
+        );
+        let lease = trim_interval(retention) * 3;
+        self.eval(
+            group,
+            scripts::TRIM,
+            keys,
+            vec![
+                Value::from(self.trim_token.as_str()),
+                Value::from(lease.as_millis() as i64),
+                Value::from(retention.as_millis() as i64),
+                Value::from(self.settings.redis.max_len as i64),
+            ],
+        )
+        .await
+        .map(|_| ())
+    }
+
+    async fn stop_trimming(&self, group: usize) {
+        let released = self
+            .eval(
+                group,
+                scripts::RELEASE_TRIM,
+                vec![self.layout.trim_lease_key(group)],
+                vec![Value::from(self.trim_token.as_str())],
+            )
+            .await;
+        if let Err(error) = released {
+            log::debug!("the trim lease of group {group} is left to expire: {error}");
         }
-        Ok(())
     }
 }
 
-/// What an XINFO STREAM reply says was removed: XDEL is tracked exactly (`max-deleted-entry-id`),
-/// trimming is not (Redis 7.0 does not update that field when it trims). When fewer entries remain
-/// than were ever added, everything before the first remaining entry may be gone, so its
-/// predecessor counts as removed (the whole stream, up to the head, when none remains). A cursor
-/// that is exactly the last trimmed entry is thereby reported `expired` although it missed
-/// nothing: a needless resync, never a silent gap.
-fn removed_through(info: &Value, head: Position) -> BackendResult<Position> {
-    let deleted = reply::field(info, "max-deleted-entry-id")
-        .and_then(reply::position)
-        .ok_or_else(|| {
-            BackendError::Rejected(
-                "XINFO STREAM lacks max-deleted-entry-id: Redis 7 or newer is required".into(),
-            )
-        })?;
-    let integer = |name| match reply::field(info, name) {
-        Some(Value::Integer(n)) => *n,
+/// How many group calls a request made (those whose failure could matter).
+fn calls_made(spans: &[Range<usize>], groups: usize) -> usize {
+    (0..groups)
+        .filter(|group| spans.iter().any(|span| span.contains(group)))
+        .count()
+}
+
+/// The answer for one item of a request some of whose group calls failed.
+fn item_outcome(item: Option<Appended>, failures: &[Option<BackendError>]) -> ItemOutcome {
+    let failure = failures.iter().flatten().next();
+    match (item, failure) {
+        (Some(appended), None) => Ok(appended),
+        (_, Some(error)) => {
+            let reached = failures.iter().filter(|f| f.is_none()).count();
+            if reached > 0 {
+                Err(ItemFailure::Incomplete(format!(
+                    "the broadcast reached {reached} of {} node groups ({error}); retry it with \
+                     its key to complete it",
+                    failures.len()
+                )))
+            } else {
+                Err(ItemFailure::Unknown(format!(
+                    "{error}; it may or may not be stored: retry it with its key"
+                )))
+            }
+        }
+        (None, None) => Err(ItemFailure::Unknown("no answer from redis".into())),
+    }
+}
+
+fn probe_arg(position: Option<Position>) -> Value {
+    Value::from(position.map(|p| p.to_string()).unwrap_or_default())
+}
+
+/// Reads one row of [`scripts::CHECK`]; also returns whether the watermark was found.
+fn parse_check(shard: u32, row: &Value) -> BackendResult<(StreamCheck, Option<bool>)> {
+    let fields = reply::items(row);
+    let [epoch, start, head, added, length, deleted, first, cursor_found, mark_found] = fields
+    else {
+        return Err(BackendError::Rejected(
+            "XINFO STREAM lacks entries-added or max-deleted-entry-id: Redis 7 or newer is \
+             required"
+                .into(),
+        ));
+    };
+    let position = |value: &Value, what| reply::position(value).ok_or_else(|| bad_reply(what));
+    let integer = |value: &Value| match value {
+        Value::Integer(n) => *n,
         _ => 0,
     };
-    if integer("entries-added") <= integer("length") {
-        return Ok(deleted);
+    let head = position(head, "last-generated-id")?;
+    let first = reply::text(first)
+        .filter(|text| !text.is_empty())
+        .and_then(|text| text.parse().ok());
+    let found = |value: &Value| match integer(value) {
+        1 => Some(true),
+        0 => Some(false),
+        _ => None,
+    };
+    Ok((
+        StreamCheck {
+            shard,
+            epoch: parse_epoch(epoch)?,
+            start: position(start, "start")?,
+            head,
+            trimmed_through: removed_through(
+                head,
+                integer(added),
+                integer(length),
+                position(deleted, "max-deleted-entry-id")?,
+                first,
+            ),
+            cursor_found: found(cursor_found),
+        },
+        found(mark_found),
+    ))
+}
+
+/// The highest position that may have been removed from a stream. XDEL is tracked exactly
+/// (`max-deleted-entry-id`), trimming is not (Redis 7.0 does not update that field when it
+/// trims). When fewer entries remain than were ever added, everything before the first remaining
+/// entry may be gone, so its predecessor counts as removed (the whole stream, up to the head,
+/// when none remains). A cursor that is exactly the last trimmed entry is thereby reported
+/// `expired` although it missed nothing: a needless resync, never a silent gap.
+fn removed_through(
+    head: Position,
+    added: i64,
+    length: i64,
+    deleted: Position,
+    first: Option<Position>,
+) -> Position {
+    if added <= length {
+        return deleted;
     }
-    let first = reply::field(info, "first-entry")
-        .and_then(|entry| reply::items(entry).first())
-        .and_then(reply::position);
     let trimmed = match first {
         Some(first) if first.seq > 0 => Position::new(first.ms, first.seq - 1),
         Some(first) if first.ms > 0 => Position::new(first.ms - 1, u64::MAX),
         Some(_) => Position::ZERO,
         None => head,
     };
-    Ok(deleted.max(trimmed))
+    deleted.max(trimmed)
 }
 
 fn parse_epoch(reply: &Value) -> BackendResult<Epoch> {
     reply::text(reply)
         .and_then(|text| Epoch::new(text).ok())
-        .ok_or_else(|| {
-            BackendError::Rejected(format!("the epoch key holds {reply:?}, not an epoch"))
-        })
+        .ok_or_else(|| BackendError::Rejected(format!("a stream's epoch marker holds {reply:?}")))
 }
 
 fn bad_reply(what: &str) -> BackendError {
@@ -538,7 +695,7 @@ impl Backend for RedisBackend {
             .collect()
     }
 
-    fn append(&self, events: Vec<NewEvent>) -> BoxFuture<'_, BackendResult<Vec<Appended>>> {
+    fn append(&self, events: Vec<NewEvent>) -> BoxFuture<'_, BackendResult<Vec<ItemOutcome>>> {
         self.inner.append(events).boxed()
     }
 
@@ -556,28 +713,29 @@ impl Backend for RedisBackend {
         shard: u32,
         after: Position,
         limit: usize,
-    ) -> BoxFuture<'_, BackendResult<Vec<StoredEvent>>> {
+    ) -> BoxFuture<'_, BackendResult<ReadPage>> {
         self.inner.read_after(shard, after, limit).boxed()
     }
 
-    fn shard_state(&self, shard: u32) -> BoxFuture<'_, BackendResult<ShardState>> {
+    fn shard_state(
+        &self,
+        shard: u32,
+        probe: Option<Position>,
+    ) -> BoxFuture<'_, BackendResult<ShardState>> {
         async move {
-            let epoch = self
-                .inner
-                .ensure_epoch(self.inner.layout.group_of(shard))
-                .await?;
-            let (head, trimmed_through) = self.inner.stream_info(shard).await?;
-            Ok(ShardState {
-                epoch,
-                head,
-                trimmed_through,
-            })
+            let group = self.inner.layout.group_of(shard);
+            let checks = self.inner.check(group, &[shard], &[probe]).await?;
+            Ok(checks[0].state())
         }
         .boxed()
     }
 
     fn trim(&self, group: usize) -> BoxFuture<'_, BackendResult<()>> {
         self.inner.trim(group).boxed()
+    }
+
+    fn stop_trimming(&self, group: usize) -> BoxFuture<'_, ()> {
+        self.inner.stop_trimming(group).boxed()
     }
 
     fn ping(&self) -> BoxFuture<'_, BackendResult<()>> {
@@ -589,5 +747,31 @@ impl Backend for RedisBackend {
             Ok(())
         }
         .boxed()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What trimming removed: exactly the deleted entries while nothing was trimmed, else
+    /// everything before the first remaining entry, or the whole stream when none remains.
+    #[test]
+    fn removed_positions_from_stream_info() {
+        let deleted = Position::new(3, 0);
+        let head = Position::new(9, 0);
+        assert_eq!(
+            removed_through(head, 5, 5, deleted, Some(Position::new(1, 0))),
+            deleted
+        );
+        assert_eq!(
+            removed_through(head, 9, 5, Position::ZERO, Some(Position::new(7, 2))),
+            Position::new(7, 1)
+        );
+        assert_eq!(
+            removed_through(head, 9, 5, Position::ZERO, Some(Position::new(7, 0))),
+            Position::new(6, u64::MAX)
+        );
+        assert_eq!(removed_through(head, 9, 0, Position::ZERO, None), head);
     }
 }

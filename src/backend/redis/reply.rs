@@ -10,7 +10,7 @@ use fred::types::Value;
 
 use crate::{
     backend::StoredEvent,
-    model::{EventType, Position, Target},
+    model::{Epoch, EventType, Position, Target},
 };
 
 pub fn text(value: &Value) -> Option<&str> {
@@ -33,14 +33,6 @@ pub fn items(value: &Value) -> &[Value] {
     }
 }
 
-/// Field `name` of a flat `[name, value, name, value, ...]` reply (XINFO STREAM).
-pub fn field<'a>(reply: &'a Value, name: &str) -> Option<&'a Value> {
-    items(reply)
-        .chunks(2)
-        .find(|pair| pair.len() == 2 && text(&pair[0]) == Some(name))
-        .map(|pair| &pair[1])
-}
-
 /// Entries as read by XRANGE or one stream of an XREAD reply: `[[id, [field, value, ...]], ...]`.
 pub struct Entries {
     pub events: Vec<StoredEvent>,
@@ -49,7 +41,8 @@ pub struct Entries {
     pub last: Option<Position>,
 }
 
-pub fn entries(shard: u32, reply: &Value) -> Entries {
+/// The entries of `shard` in a reply, read in life `epoch`.
+pub fn entries(shard: u32, epoch: &Epoch, reply: &Value) -> Entries {
     let mut parsed = Entries {
         events: Vec::new(),
         skipped: 0,
@@ -64,7 +57,7 @@ pub fn entries(shard: u32, reply: &Value) -> Entries {
         parsed.last = Some(position);
         match parts
             .get(1)
-            .and_then(|fields| event(shard, position, fields))
+            .and_then(|fields| event(shard, epoch, position, fields))
         {
             Some(event) => parsed.events.push(event),
             None => parsed.skipped += 1,
@@ -73,7 +66,7 @@ pub fn entries(shard: u32, reply: &Value) -> Entries {
     parsed
 }
 
-fn event(shard: u32, position: Position, fields: &Value) -> Option<StoredEvent> {
+fn event(shard: u32, epoch: &Epoch, position: Position, fields: &Value) -> Option<StoredEvent> {
     let (mut dev, mut event_type, mut data) = (None, None, None);
     for pair in items(fields).chunks(2) {
         let [name, value] = pair else { continue };
@@ -86,6 +79,7 @@ fn event(shard: u32, position: Position, fields: &Value) -> Option<StoredEvent> 
     }
     Some(StoredEvent {
         shard,
+        epoch: epoch.clone(),
         position,
         target: Target::from_field(dev?).ok()?,
         event_type: match event_type {
@@ -132,7 +126,7 @@ mod tests {
                 ]),
             ]),
         ]);
-        let parsed = entries(3, &reply);
+        let parsed = entries(3, &Epoch::new("e").unwrap(), &reply);
         assert_eq!(parsed.events.len(), 2);
         assert_eq!(parsed.skipped, 5);
         assert_eq!(parsed.last, Some(Position::new(1, 6)));

@@ -3,12 +3,20 @@
 //!
 //! It starts at "now" by resolving `$` once to concrete ids (sending `$` again after a reconnect
 //! would skip what arrived during the outage). It keeps the last id per shard across errors, so
-//! after an outage it continues where it was. Every [`CHECK_EVERY`], and after any error, it
-//! checks the group's epoch (a new epoch: Redis lost its data, every shard gets `resync`
-//! `data_lost` and reading restarts at the current heads). After an error it also checks whether
-//! trimming removed entries it had not read (`resync` `expired`). That check is not periodic: a
-//! stream whose entries all aged out and then got a new one looks trimmed past the tail's last id
-//! although nothing was missed, and a live tail that keeps reading cannot fall behind retention.
+//! after an outage it continues where it was.
+//!
+//! Loss detection ([`Inner::check`]: the life of each stream, and whether the newest position
+//! this pod knows of is still stored):
+//! - after every read that returned entries, for the shards it returned, *before* they are
+//!   delivered: entries read from a stream whose life changed are dropped, the shard's
+//!   connections get `resync` `data_lost` at the new life's start, and the next read continues
+//!   from there, so nothing of the new life is skipped and nothing after the loss comes first;
+//! - every [`CHECK_EVERY`] for all shards, while a read may still be blocked (it is kept and
+//!   awaited on the next call), so an idle shard hears of a loss within seconds too;
+//! - after any error, where it also checks whether trimming removed entries the tail had not
+//!   read (`resync` `expired`). That check is not periodic: a stream whose entries all aged out
+//!   and then got a new one looks trimmed past the tail's last id although nothing was missed,
+//!   and a live tail that keeps reading cannot fall behind retention.
 
 use std::{
     ops::Range,
@@ -22,93 +30,149 @@ use fred::{
 };
 use futures_util::{future::BoxFuture, FutureExt};
 
-use super::{init, reply, unavailable, Inner};
+use super::{init, reply, unavailable, Inner, StreamCheck};
 use crate::{
-    backend::{BackendError, BackendResult, Gap, GapReason, Tail, TailBatch},
-    model::{Cursor, Epoch, Position},
+    backend::{BackendError, BackendResult, Gap, StoredEvent, Tail, TailBatch},
+    model::{Cursor, Epoch, Position, ResyncReason},
 };
 
 const CHECK_EVERY: Duration = Duration::from_secs(2);
 /// Beyond the block time, how long a read may take before the connection counts as dead.
 const READ_GRACE: Duration = Duration::from_secs(10);
+/// How long an abandoned read may take to return after `CLIENT UNBLOCK`.
+const UNBLOCK_WAIT: Duration = Duration::from_secs(2);
+
+type PendingRead = BoxFuture<'static, BackendResult<Value>>;
 
 pub struct RedisTail {
     inner: Arc<Inner>,
     /// Dedicated to this tail's XREAD; other commands go through the shared clients.
     client: Client,
+    /// The dedicated connection's `CLIENT ID`, to unblock a read that must be abandoned.
+    client_id: Option<i64>,
     group: usize,
     shards: Range<u32>,
     keys: Vec<String>,
-    /// Last id read per shard of the group (index = shard - shards.start).
+    /// Per shard of the group (index = shard - shards.start): the life being read...
+    lives: Vec<Epoch>,
+    /// ...and the last position read in it.
     last: Vec<Position>,
-    epoch: Epoch,
-    check_due: bool,
-    last_check: Instant,
+    /// A blocking read in flight, kept across calls so that checks can run while it waits.
+    pending: Option<PendingRead>,
+    /// An error happened since the last full check.
+    after_error: bool,
+    next_check: Instant,
 }
 
 impl RedisTail {
     pub async fn open(inner: Arc<Inner>, group: usize) -> BackendResult<Self> {
         let client = inner.client(group).clone_new();
         init(&client).await?;
+        let command = CustomCommand::new_static("CLIENT", inner.hash(group), false);
+        let client_id = client
+            .custom::<Value, Value>(command, vec![Value::from("ID")])
+            .await
+            .ok()
+            .and_then(|id| match id {
+                Value::Integer(id) => Some(id),
+                _ => None,
+            });
         let shards = inner.layout.shards_of(group);
-        let epoch = inner.ensure_epoch(group).await?;
-        let mut last = Vec::with_capacity(shards.len());
-        for shard in shards.clone() {
-            last.push(inner.stream_info(shard).await?.0);
-        }
+        let all: Vec<u32> = shards.clone().collect();
+        let checks = inner.check(group, &all, &[]).await?;
         Ok(Self {
             keys: shards
                 .clone()
                 .map(|shard| inner.layout.stream_key(shard))
                 .collect(),
+            lives: checks.iter().map(|check| check.epoch.clone()).collect(),
+            last: checks.iter().map(|check| check.head).collect(),
             inner,
             client,
+            client_id,
             group,
             shards,
-            last,
-            epoch,
-            check_due: false,
-            last_check: Instant::now(),
+            pending: None,
+            after_error: false,
+            next_check: Instant::now() + CHECK_EVERY,
         })
     }
 
-    /// Epoch and trimming checks; gaps found are reported and reading moves past them.
-    async fn check(&mut self, gaps: &mut Vec<Gap>) -> BackendResult<()> {
-        let epoch = self.inner.ensure_epoch(self.group).await?;
-        let data_lost = epoch != self.epoch;
-        if data_lost {
-            log::warn!(
-                "redis group {} has a new epoch: its data was lost",
-                self.group
-            );
-        }
-        for (index, shard) in self.shards.clone().enumerate() {
-            let (head, trimmed) = self.inner.stream_info(shard).await?;
-            let last = &mut self.last[index];
-            let (reason, resume_after) = if data_lost {
-                (GapReason::DataLost, head)
-            } else if trimmed > *last {
-                (GapReason::Expired, trimmed)
+    fn index(&self, shard: u32) -> usize {
+        (shard - self.shards.start) as usize
+    }
+
+    /// Compares checked streams with what the tail reads: a new life is a `data_lost` gap and
+    /// reading moves to its start; after an error, entries trimmed before the tail read them are
+    /// an `expired` gap. Returns the shards whose position moved.
+    fn apply(&mut self, checks: &[StreamCheck], trimming: bool, gaps: &mut Vec<Gap>) -> Vec<u32> {
+        let mut moved = Vec::new();
+        for check in checks {
+            let index = self.index(check.shard);
+            let (reason, resume_after) = if check.epoch != self.lives[index] {
+                log::warn!(
+                    "redis stream {} has a new life: its data was lost",
+                    self.keys[index]
+                );
+                (ResyncReason::DataLost, check.start)
+            } else if trimming && check.trimmed_through > self.last[index] {
+                (ResyncReason::Expired, check.trimmed_through)
             } else {
                 continue;
             };
-            *last = resume_after;
+            self.lives[index] = check.epoch.clone();
+            self.last[index] = resume_after;
+            moved.push(check.shard);
             gaps.push(Gap {
-                cursor: Cursor::new(epoch.clone(), shard, resume_after),
+                cursor: Cursor::new(check.epoch.clone(), check.shard, resume_after),
                 reason,
             });
         }
-        self.epoch = epoch;
-        self.check_due = false;
-        self.last_check = Instant::now();
-        Ok(())
+        moved
     }
 
-    async fn read(&mut self) -> BackendResult<TailBatch> {
-        let mut batch = TailBatch::default();
-        if self.check_due || self.last_check.elapsed() >= CHECK_EVERY {
-            self.check(&mut batch.gaps).await?;
+    /// The periodic (or after-error) check of every shard of the group.
+    async fn check_all(&mut self) -> BackendResult<Vec<Gap>> {
+        let shards: Vec<u32> = self.shards.clone().collect();
+        let checks = self.inner.check(self.group, &shards, &[]).await?;
+        let mut gaps = Vec::new();
+        let moved = self.apply(&checks, self.after_error, &mut gaps);
+        if !moved.is_empty() {
+            // A read in flight still asks for entries after the old positions.
+            self.abandon_read().await;
         }
+        self.after_error = false;
+        self.next_check = Instant::now() + CHECK_EVERY;
+        Ok(gaps)
+    }
+
+    /// Ends a blocked read without waiting for its block time: `CLIENT UNBLOCK` from another
+    /// connection, then its (discarded) answer.
+    async fn abandon_read(&mut self) {
+        let Some(pending) = self.pending.take() else {
+            return;
+        };
+        if let Some(id) = self.client_id {
+            let command = CustomCommand::new_static("CLIENT", self.inner.hash(self.group), false);
+            let unblocked = self
+                .inner
+                .client(self.group)
+                .custom::<Value, Value>(command, vec![Value::from("UNBLOCK"), Value::from(id)])
+                .await;
+            if unblocked.is_ok() && tokio::time::timeout(UNBLOCK_WAIT, pending).await.is_ok() {
+                return;
+            }
+        }
+        // The connection may still be blocked: a new one for the next read.
+        log::debug!("tail of group {} renews its connection", self.group);
+        let client = self.inner.client(self.group).clone_new();
+        if init(&client).await.is_ok() {
+            self.client = client;
+            self.client_id = None;
+        }
+    }
+
+    fn start_read(&self) -> PendingRead {
         let block = self.inner.settings.redis.block;
         let mut args = vec![
             Value::from("BLOCK"),
@@ -130,17 +194,23 @@ impl RedisTail {
             ..Options::default()
         };
         let client = self.client.with_options(&options);
-        let read = client.custom::<Value, Value>(command, args);
-        let reply = match tokio::time::timeout(block + READ_GRACE, read).await {
-            Ok(Ok(reply)) => reply,
-            Ok(Err(error)) => return Err(unavailable(error)),
-            Err(_) => {
-                return Err(BackendError::Unavailable(
+        async move {
+            match tokio::time::timeout(block + READ_GRACE, client.custom(command, args)).await {
+                Ok(Ok(reply)) => Ok(reply),
+                Ok(Err(error)) => Err(unavailable(error)),
+                Err(_) => Err(BackendError::Unavailable(
                     "redis: XREAD did not return in time".into(),
-                ))
+                )),
             }
-        };
-        // A BLOCK timeout is a nil reply: nothing new.
+        }
+        .boxed()
+    }
+
+    /// Turns a read's reply into a batch, after checking the lives of the shards it read.
+    async fn take(&mut self, reply: Value) -> BackendResult<TailBatch> {
+        let mut batch = TailBatch::default();
+        // Per shard read: its new entries (a BLOCK timeout is a nil reply: nothing new).
+        let mut read: Vec<(u32, Vec<StoredEvent>, Option<Position>, u64)> = Vec::new();
         for stream in reply::items(&reply) {
             let parts = reply::items(stream);
             let Some(index) = parts
@@ -151,15 +221,68 @@ impl RedisTail {
                 continue;
             };
             let shard = self.shards.start + index as u32;
-            let entries = reply::entries(shard, parts.get(1).unwrap_or(&Value::Null));
-            if let Some(last) = entries.last {
-                self.last[index] = last;
+            let mut entries = reply::entries(
+                shard,
+                &self.lives[index],
+                parts.get(1).unwrap_or(&Value::Null),
+            );
+            // A read sent before the tail moved back to a new life's start may return entries
+            // it has already passed: never twice.
+            entries
+                .events
+                .retain(|event| event.position > self.last[index]);
+            if entries.last.is_some_and(|last| last > self.last[index]) {
+                read.push((shard, entries.events, entries.last, entries.skipped));
             }
-            batch.events.extend(entries.events);
-            batch.skipped += entries.skipped;
         }
-        batch.epoch = Some(self.epoch.clone());
+        if read.is_empty() {
+            return Ok(batch);
+        }
+        let shards: Vec<u32> = read.iter().map(|(shard, ..)| *shard).collect();
+        let checks = self.inner.check(self.group, &shards, &[]).await?;
+        let moved = self.apply(&checks, false, &mut batch.gaps);
+        for (shard, events, last, skipped) in read {
+            if moved.contains(&shard) {
+                // Read before the tail knew of the new life: read again from its start.
+                continue;
+            }
+            let index = self.index(shard);
+            if let Some(last) = last {
+                self.last[index] = last;
+                self.inner.watermarks.saw(shard, &self.lives[index], last);
+            }
+            batch.skipped += skipped;
+            batch.events.extend(events);
+        }
         Ok(batch)
+    }
+
+    async fn read(&mut self) -> BackendResult<TailBatch> {
+        loop {
+            if self.after_error || Instant::now() >= self.next_check {
+                let gaps = self.check_all().await?;
+                if !gaps.is_empty() {
+                    return Ok(TailBatch {
+                        gaps,
+                        ..TailBatch::default()
+                    });
+                }
+            }
+            if self.pending.is_none() {
+                self.pending = Some(self.start_read());
+            }
+            let pending = self.pending.as_mut().expect("a read is in flight");
+            let due = tokio::time::Instant::from_std(self.next_check);
+            let reply = tokio::select! {
+                reply = pending => reply,
+                _ = tokio::time::sleep_until(due) => continue,
+            };
+            self.pending = None;
+            let batch = self.take(reply?).await?;
+            if !(batch.events.is_empty() && batch.gaps.is_empty() && batch.skipped == 0) {
+                return Ok(batch);
+            }
+        }
     }
 }
 
@@ -170,7 +293,7 @@ impl Tail for RedisTail {
             if result.is_err() {
                 // Whatever happened during the outage (data loss, trimming) is found before the
                 // next read.
-                self.check_due = true;
+                self.after_error = true;
             }
             result
         }

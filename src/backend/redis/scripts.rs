@@ -1,0 +1,183 @@
+//! Every Lua script the Redis backend runs, in one place (docs/stream-format.md explains the
+//! keys they touch).
+//!
+//! All of them share two helpers, pasted in front of each script by [`with_helpers!`]:
+//! - `life(key, fresh)`: the epoch of a stream and the position where that life began. The epoch
+//!   is the name of a consumer group on the stream itself, `posthorn:epoch:<epoch>`, whose
+//!   last-delivered id (never moved: nothing reads through the group) is the start. A stream
+//!   without that group (new, deleted and re-created by an XADD, FLUSHALL, a restart without
+//!   persistence) gets one now, named `fresh`, starting at `0`: everything in it is of the new
+//!   life. Data and marker are one key, so losing the data loses the marker with it.
+//! - `minid(retention_ms)`: the oldest id retention keeps, from Redis' own clock (`TIME`), never
+//!   the pod's: a pod whose clock runs ahead must not trim what it just appended.
+
+macro_rules! with_helpers {
+    ($script:literal) => {
+        concat!(
+            r#"
+local PREFIX = 'posthorn:epoch:'
+local function life(key, fresh)
+  if redis.call('EXISTS', key) == 1 then
+    local best, start = nil, nil
+    for _, group in ipairs(redis.call('XINFO', 'GROUPS', key)) do
+      local name, delivered = nil, nil
+      for i = 1, #group, 2 do
+        if group[i] == 'name' then name = group[i + 1]
+        elseif group[i] == 'last-delivered-id' then delivered = group[i + 1] end
+      end
+      if name and string.sub(name, 1, #PREFIX) == PREFIX then
+        local epoch = string.sub(name, #PREFIX + 1)
+        if best == nil or epoch < best then best, start = epoch, delivered end
+      end
+    end
+    if best then return best, start end
+  end
+  redis.call('XGROUP', 'CREATE', key, PREFIX .. fresh, '0', 'MKSTREAM')
+  return fresh, '0-0'
+end
+local function minid(retention_ms)
+  local now = redis.call('TIME')
+  local ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000) - retention_ms
+  if ms < 0 then ms = 0 end
+  return string.format('%.0f', ms)
+end
+"#,
+            $script
+        )
+    };
+}
+
+/// Appends the items of one group. KEYS: the streams and dedupe keys the items refer to (one
+/// slot). ARGV: fresh epoch prefix, retention (ms), MAXLEN cap, dedupe window (ms), item count,
+/// then per item: dedupe key index (0 = none), dev, type, data, key, stream count, then per
+/// stream its key index and shard. Returns per item the cursor of its first stream and whether
+/// it was a duplicate: `{cursor, 0|1, cursor, 0|1, ...}`. A dedupe key holds the cursor it was
+/// answered with, so a duplicate gets the original's id.
+pub const APPEND: &str = with_helpers!(
+    r#"
+local out = {}
+local threshold = minid(tonumber(ARGV[2]))
+local lives = {}
+local at = 6
+for _ = 1, tonumber(ARGV[5]) do
+  local dedupe = tonumber(ARGV[at])
+  local dev, kind, data, key = ARGV[at + 1], ARGV[at + 2], ARGV[at + 3], ARGV[at + 4]
+  local streams = tonumber(ARGV[at + 5])
+  local first = at + 6
+  at = first + 2 * streams
+  local previous = false
+  if dedupe > 0 then previous = redis.call('GET', KEYS[dedupe]) end
+  if previous then
+    table.insert(out, previous)
+    table.insert(out, 1)
+  else
+    local cursor = false
+    for s = 0, streams - 1 do
+      local stream = KEYS[tonumber(ARGV[first + 2 * s])]
+      local shard = ARGV[first + 2 * s + 1]
+      local epoch = lives[stream]
+      if not epoch then
+        epoch = life(stream, ARGV[1] .. shard)
+        lives[stream] = epoch
+      end
+      local id
+      if key ~= '' then
+        id = redis.call('XADD', stream, 'MINID', '~', threshold, '*', 'dev', dev, 'type', kind, 'data', data, 'key', key)
+      else
+        id = redis.call('XADD', stream, 'MINID', '~', threshold, '*', 'dev', dev, 'type', kind, 'data', data)
+      end
+      redis.call('XTRIM', stream, 'MAXLEN', '~', ARGV[3])
+      if not cursor then cursor = epoch .. '.' .. shard .. '.' .. id end
+    end
+    if dedupe > 0 then redis.call('SET', KEYS[dedupe], cursor, 'PX', ARGV[4]) end
+    table.insert(out, cursor)
+    table.insert(out, 0)
+  end
+end
+return out
+"#
+);
+
+/// The life and state of some streams of one group. KEYS: the streams. ARGV: fresh epoch prefix,
+/// then per stream its shard and two positions to look for ('' = none): a cursor's, and the
+/// newest one this pod knows was stored. Returns per stream `{epoch, start, last-generated-id,
+/// entries-added, length, max-deleted-entry-id, first entry id or '', found1, found2}` with
+/// `found` 1 (stored), 0 (not stored) or -1 (not asked). Entries themselves are not returned:
+/// they can be large.
+pub const CHECK: &str = with_helpers!(
+    r#"
+local out = {}
+for i, key in ipairs(KEYS) do
+  local shard = ARGV[3 * i - 1]
+  local epoch, start = life(key, ARGV[1] .. shard)
+  local info = redis.call('XINFO', 'STREAM', key)
+  local fields = {}
+  for f = 1, #info, 2 do fields[info[f]] = info[f + 1] end
+  local first = ''
+  if type(fields['first-entry']) == 'table' then first = fields['first-entry'][1] end
+  local found = {}
+  for p = 1, 2 do
+    local position = ARGV[3 * i - 1 + p]
+    if position == '' then
+      found[p] = -1
+    elseif #redis.call('XRANGE', key, position, position) > 0 then
+      found[p] = 1
+    else
+      found[p] = 0
+    end
+  end
+  out[i] = {epoch, start, fields['last-generated-id'], fields['entries-added'], fields['length'],
+            fields['max-deleted-entry-id'], first, found[1], found[2]}
+end
+return out
+"#
+);
+
+/// Starts a new life of a stream that went back in time, unless another pod did already.
+/// KEYS[1]: the stream. ARGV: the epoch that lost data, the fresh epoch, the position that
+/// vanished. The new life starts at the stream's current last id: what is stored up to there
+/// belongs to the old one. Returns the current `{epoch, start}`.
+pub const START_NEW_LIFE: &str = with_helpers!(
+    r#"
+local epoch, start = life(KEYS[1], ARGV[2])
+if epoch == ARGV[1] and #redis.call('XRANGE', KEYS[1], ARGV[3], ARGV[3]) == 0 then
+  redis.call('XGROUP', 'DESTROY', KEYS[1], PREFIX .. epoch)
+  redis.call('XGROUP', 'CREATE', KEYS[1], PREFIX .. ARGV[2], '$')
+  epoch, start = life(KEYS[1], ARGV[2])
+end
+return {epoch, start}
+"#
+);
+
+/// One page of a stream with the life it belongs to. KEYS[1]: the stream. ARGV: the exclusive
+/// start (`(id`), COUNT, the fresh epoch (shard included). Returns `{epoch, entries}`.
+pub const READ: &str = with_helpers!(
+    r#"
+local epoch = life(KEYS[1], ARGV[3])
+return {epoch, redis.call('XRANGE', KEYS[1], ARGV[1], '+', 'COUNT', ARGV[2])}
+"#
+);
+
+/// Retention for the streams of one group, by one pod at a time. KEYS[1]: the group's trim lease,
+/// then the streams. ARGV: this pod's token, lease length (ms), retention (ms), MAXLEN cap.
+/// Returns 1 when this pod holds the lease and trimmed, 0 when another pod holds it.
+pub const TRIM: &str = with_helpers!(
+    r#"
+local holder = redis.call('GET', KEYS[1])
+if holder and holder ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+local threshold = minid(tonumber(ARGV[3]))
+for i = 2, #KEYS do
+  redis.call('XTRIM', KEYS[i], 'MINID', '~', threshold)
+  redis.call('XTRIM', KEYS[i], 'MAXLEN', '~', ARGV[4])
+end
+return 1
+"#
+);
+
+/// Gives the trim lease up if this pod still holds it (compare and delete). KEYS[1]: the lease;
+/// ARGV[1]: this pod's token.
+pub const RELEASE_TRIM: &str = r#"
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"#;
