@@ -23,7 +23,7 @@ pub use hub::Hub;
 #[allow(unused_imports)]
 pub use nginx::Nginx;
 #[allow(unused_imports)]
-pub use redis::{RedisCluster, RedisServer, RespClient, RespValue};
+pub use redis::{RedisCluster, RedisServer, RedisSnapshot, RespClient, RespValue};
 #[allow(unused_imports)]
 pub use sse::{SseClient, SseEvent, SseNext};
 

@@ -1,9 +1,10 @@
 //! Real Redis servers for the Redis Streams backend tests: a standalone
 //! server with optional AOF persistence that can be killed and restarted on
-//! the same port, a cluster of masters formed with `redis-cli --cluster`, and
-//! a tiny RESP2 client ([`RespClient`]) so tests can act as an external
-//! producer (XADD), inspect state (XLEN, XINFO) and reconfigure (CONFIG SET)
-//! without a Redis client crate.
+//! the same port (also from an older snapshot of its files, or without any,
+//! to simulate rollbacks and lost disks), a cluster of masters formed with
+//! `redis-cli --cluster`, and a tiny RESP2 client ([`RespClient`]) so tests
+//! can act as an external producer (XADD), inspect state (XLEN, XINFO) and
+//! reconfigure (CONFIG SET) without a Redis client crate.
 //!
 //! Each server runs `redis-server` from a fresh temporary directory holding
 //! its `redis.conf`, its data files and `redis.log`; dropping it SIGKILLs and
@@ -413,6 +414,7 @@ impl RedisBuilder {
             port: 0,
             dir: super::unique_temp_dir("redis"),
             builder: self,
+            snapshots: 0,
         };
         for attempt in 1..=PORT_ATTEMPTS {
             server.port = if server.builder.cluster {
@@ -441,6 +443,39 @@ impl RedisBuilder {
     }
 }
 
+/// The persisted state of one [`RedisServer`] at some moment, copied aside
+/// by [`RedisServer::snapshot`] into the server's directory (and removed
+/// with it); [`RedisServer::restart_from`] restarts the server from it.
+#[derive(Debug, Clone)]
+pub struct RedisSnapshot {
+    dir: PathBuf,
+    /// Directory of the server that took it, the only one it may restore.
+    origin: PathBuf,
+    aof: bool,
+    /// Relative to `dir`, and to the server's directory once restored.
+    files: Vec<PathBuf>,
+}
+
+impl RedisSnapshot {
+    /// Where the copied files are (`snapshots/N` in the server's directory).
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Whether it holds an AOF directory (the server had AOF on) rather than
+    /// an RDB file.
+    pub fn is_aof(&self) -> bool {
+        self.aof
+    }
+
+    /// The copied files, relative to [`RedisSnapshot::dir`] and to the
+    /// server's directory, e.g. `dump.rdb` or
+    /// `appendonlydir/appendonly.aof.2.base.rdb`.
+    pub fn files(&self) -> &[PathBuf] {
+        &self.files
+    }
+}
+
 /// A `redis-server` process. Dropping it SIGKILLs and reaps the process and
 /// removes its directory.
 #[derive(Debug)]
@@ -453,6 +488,8 @@ pub struct RedisServer {
     port: u16,
     dir: PathBuf,
     builder: RedisBuilder,
+    /// Snapshots taken so far, to name the next one's directory.
+    snapshots: usize,
 }
 
 impl RedisServer {
@@ -551,6 +588,168 @@ impl RedisServer {
         }
     }
 
+    /// Copies the server's persisted state aside, into `snapshots/N/` of its
+    /// directory, so that [`RedisServer::restart_from`] can later restart the
+    /// server from this older state. Panics if the server is stopped or
+    /// Redis reports a failure.
+    ///
+    /// Without AOF it runs `SAVE` and copies the RDB file. With AOF it runs
+    /// `BGREWRITEAOF`, waits until the rewrite is done and copies the files
+    /// of the multi-part AOF of Redis 7 (`appendonlydir/`: an RDB-format
+    /// base, an incremental AOF and the manifest naming them). Writes racing
+    /// with the snapshot may or may not be in it.
+    pub async fn snapshot(&mut self) -> RedisSnapshot {
+        assert!(
+            self.child.is_some(),
+            "snapshot of the stopped redis-server on port {}",
+            self.port
+        );
+        let mut client = self.client().await;
+        let reply = client.cmd(&["CONFIG", "GET", "appendonly"]).await;
+        let aof = match reply.as_array() {
+            Some([_, value]) => value.as_str() == Some("yes"),
+            _ => panic!("CONFIG GET appendonly on {}: {reply:?}", self.addr()),
+        };
+        // restart_from starts the server from redis.conf, which decides what
+        // it loads: a snapshot in the other mode would silently load nothing.
+        assert_eq!(
+            aof,
+            self.aof_configured(),
+            "appendonly on {} was changed at run time; its snapshot would not be loaded on restart",
+            self.addr()
+        );
+        let dir = self.dir.join("snapshots").join(self.snapshots.to_string());
+        self.snapshots += 1;
+        create_dir(&dir);
+        let (rdb_name, aof_dir_name) = self.persistence_names();
+        let mut files = Vec::new();
+        if aof {
+            rewrite_aof(&mut client).await;
+            let aof_dir = self.dir.join(&aof_dir_name);
+            let manifest_name = format!("{}.manifest", self.aof_file_name());
+            let manifest_path = aof_dir.join(&manifest_name);
+            // Read first: the manifest names the files this state is made
+            // of; history files it may still list are being deleted.
+            let manifest = std::fs::read_to_string(&manifest_path)
+                .unwrap_or_else(|e| panic!("read {}: {e}", manifest_path.display()));
+            create_dir(&dir.join(&aof_dir_name));
+            for name in aof_manifest_files(&manifest) {
+                let file = Path::new(&aof_dir_name).join(name);
+                copy_file(&self.dir.join(&file), &dir.join(&file));
+                files.push(file);
+            }
+            let file = Path::new(&aof_dir_name).join(manifest_name);
+            let target = dir.join(&file);
+            std::fs::write(&target, &manifest)
+                .unwrap_or_else(|e| panic!("write {}: {e}", target.display()));
+            files.push(file);
+        } else {
+            let live = self.dir.join(&rdb_name);
+            let existed = live.exists();
+            let reply = client.cmd(&["SAVE"]).await;
+            assert!(reply.is_ok(), "SAVE on {}: {reply:?}", self.addr());
+            copy_file(&live, &dir.join(&rdb_name));
+            // With `save ""` the server had no RDB file, and a plain restart
+            // must keep losing the data: Redis loads an RDB file at start-up
+            // whenever AOF is off, so leaving this one would turn every later
+            // restart into a silent rollback to the snapshot.
+            if !existed {
+                std::fs::remove_file(&live)
+                    .unwrap_or_else(|e| panic!("remove {}: {e}", live.display()));
+            }
+            files.push(PathBuf::from(rdb_name));
+        }
+        RedisSnapshot {
+            dir,
+            origin: self.dir.clone(),
+            aof,
+            files,
+        }
+    }
+
+    /// SIGKILLs the server, replaces its persistence files with the
+    /// snapshot's and starts it again on the same port: it comes back with
+    /// the data it had when the snapshot was taken, as after a restart from
+    /// an older RDB file or AOF. Returns once it answers PING (not LOADING).
+    /// The snapshot stays usable for further restarts.
+    pub async fn restart_from(&mut self, snapshot: &RedisSnapshot) {
+        assert_eq!(
+            snapshot.origin, self.dir,
+            "a snapshot can only restore the server that took it"
+        );
+        self.kill();
+        self.remove_persistence();
+        for file in &snapshot.files {
+            let target = self.dir.join(file);
+            if let Some(parent) = target.parent() {
+                create_dir(parent);
+            }
+            copy_file(&snapshot.dir.join(file), &target);
+        }
+        self.start_again().await;
+    }
+
+    /// SIGKILLs the server, deletes its RDB file and AOF directory and starts
+    /// it again on the same port: a restart that lost every key even with
+    /// AOF on (a lost disk). A cluster node keeps its `nodes.conf`, hence its
+    /// identity and view of the cluster. Returns once it answers PING.
+    pub async fn restart_without_data(&mut self) {
+        self.kill();
+        self.remove_persistence();
+        self.start_again().await;
+    }
+
+    /// Deletes the files a (stopped) server loads its data from.
+    fn remove_persistence(&self) {
+        let (rdb_name, aof_dir_name) = self.persistence_names();
+        let rdb = self.dir.join(rdb_name);
+        match std::fs::remove_file(&rdb) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => panic!("remove {}: {e}", rdb.display()),
+        }
+        let aof_dir = self.dir.join(aof_dir_name);
+        match std::fs::remove_dir_all(&aof_dir) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => panic!("remove {}: {e}", aof_dir.display()),
+        }
+    }
+
+    /// The last value of `directive` among the builder's extra directives
+    /// (the one Redis applies), without quotes.
+    fn configured(&self, directive: &str) -> Option<String> {
+        self.builder
+            .config
+            .iter()
+            .rev()
+            .find(|(d, _)| d.eq_ignore_ascii_case(directive))
+            .map(|(_, v)| v.trim_matches('"').to_string())
+    }
+
+    /// Whether redis.conf turns AOF on (an extra directive wins over
+    /// [`RedisBuilder::appendonly`], as it comes later in the file).
+    fn aof_configured(&self) -> bool {
+        self.configured("appendonly")
+            .map_or(self.builder.appendonly, |v| v.eq_ignore_ascii_case("yes"))
+    }
+
+    /// `dbfilename` and `appenddirname` as redis.conf sets them.
+    fn persistence_names(&self) -> (String, String) {
+        (
+            self.configured("dbfilename")
+                .unwrap_or_else(|| "dump.rdb".into()),
+            self.configured("appenddirname")
+                .unwrap_or_else(|| "appendonlydir".into()),
+        )
+    }
+
+    /// `appendfilename`, the prefix of every AOF file and of the manifest.
+    fn aof_file_name(&self) -> String {
+        self.configured("appendfilename")
+            .unwrap_or_else(|| "appendonly.aof".into())
+    }
+
     fn write_config(&self) {
         let b = &self.builder;
         let mut conf = format!(
@@ -639,6 +838,98 @@ impl RedisServer {
 async fn ping(addr: SocketAddr) -> io::Result<RespValue> {
     let mut client = RespClient::try_connect_within(addr, PROBE_TIMEOUT).await?;
     client.try_cmd_within(&["PING"], PROBE_TIMEOUT).await
+}
+
+/// Runs `BGREWRITEAOF` and waits until that rewrite is done, so the AOF
+/// directory holds a fresh base and its manifest is not about to change.
+async fn rewrite_aof(client: &mut RespClient) {
+    let addr = client.addr();
+    let deadline = Instant::now() + READY_TIMEOUT;
+    let info = client.info_map(&["INFO", "persistence"]).await;
+    let rewrites_before = info_u64(&info, "aof_rewrites", addr);
+    loop {
+        let reply = client.cmd(&["BGREWRITEAOF"]).await;
+        match reply.as_error() {
+            // "started", or "scheduled" behind a running RDB save.
+            None => break,
+            // A rewrite we did not ask for: it may have forked before the
+            // latest writes; wait for it and start ours.
+            Some(e) if e.contains("in progress") && Instant::now() < deadline => {
+                tokio::time::sleep(READY_POLL).await;
+            }
+            Some(_) => panic!("BGREWRITEAOF on {addr}: {reply:?}"),
+        }
+    }
+    loop {
+        let info = client.info_map(&["INFO", "persistence"]).await;
+        let get = |k: &str| {
+            info.iter()
+                .find(|(key, _)| key == k)
+                .map(|(_, v)| v.as_str())
+        };
+        // aof_rewrites counts forks, so it moves as soon as ours started;
+        // in_progress drops only after the manifest names the new files.
+        let done = info_u64(&info, "aof_rewrites", addr) > rewrites_before
+            && get("aof_rewrite_in_progress") == Some("0")
+            && get("aof_rewrite_scheduled") == Some("0");
+        if done {
+            assert_eq!(
+                get("aof_last_bgrewrite_status"),
+                Some("ok"),
+                "AOF rewrite on {addr} failed: {info:?}"
+            );
+            return;
+        }
+        if Instant::now() >= deadline {
+            panic!("AOF rewrite on {addr} not done after {READY_TIMEOUT:?}: {info:?}");
+        }
+        tokio::time::sleep(READY_POLL).await;
+    }
+}
+
+fn info_u64(info: &[(String, String)], key: &str, addr: SocketAddr) -> u64 {
+    info.iter()
+        .find(|(k, _)| k == key)
+        .and_then(|(_, v)| v.parse().ok())
+        .unwrap_or_else(|| panic!("no numeric {key} in INFO of {addr}: {info:?}"))
+}
+
+/// The base and incremental files an AOF manifest of Redis 7 lists, one
+/// `file NAME seq N type T` line each (`b` base, `i` incremental, `h`
+/// history: left over from an older rewrite and never loaded).
+fn aof_manifest_files(manifest: &str) -> Vec<String> {
+    let mut files = Vec::new();
+    for line in manifest.lines().filter(|l| !l.trim().is_empty()) {
+        let words: Vec<&str> = line.split_whitespace().collect();
+        let field = |key: &str| {
+            words
+                .chunks(2)
+                .find(|pair| pair[0] == key)
+                .and_then(|pair| pair.get(1).copied())
+        };
+        let (Some(name), Some(kind)) = (field("file"), field("type")) else {
+            panic!("unexpected AOF manifest line {line:?} in:\n{manifest}");
+        };
+        // Redis quotes names with special characters; ours have none.
+        assert!(
+            !name.starts_with('"'),
+            "quoted AOF file name in:\n{manifest}"
+        );
+        if kind != "h" {
+            files.push(name.to_string());
+        }
+    }
+    assert!(!files.is_empty(), "AOF manifest lists no file:\n{manifest}");
+    files
+}
+
+fn create_dir(dir: &Path) {
+    std::fs::create_dir_all(dir).unwrap_or_else(|e| panic!("create {}: {e}", dir.display()));
+}
+
+fn copy_file(from: &Path, to: &Path) {
+    std::fs::copy(from, to)
+        .unwrap_or_else(|e| panic!("copy {} to {}: {e}", from.display(), to.display()));
 }
 
 impl Drop for RedisServer {

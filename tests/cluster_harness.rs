@@ -1,0 +1,129 @@
+//! Self-tests of the fault-injection pieces of the harness: Redis restarts
+//! from an older snapshot of a server's files or from none
+//! (`support::redis`), real processes driven without the hub.
+
+mod support;
+
+use support::redis::RedisServer;
+use support::{RespClient, RespValue};
+
+async fn get(client: &mut RespClient, key: &str) -> Option<String> {
+    let reply = client.cmd(&["GET", key]).await;
+    match reply {
+        RespValue::Bulk(None) => None,
+        other => Some(other.as_str().expect("GET returns text").to_string()),
+    }
+}
+
+async fn dbsize(client: &mut RespClient) -> i64 {
+    client.cmd(&["DBSIZE"]).await.as_int().expect("DBSIZE")
+}
+
+/// Writes before and after a snapshot, restarts from it, and checks that
+/// exactly the later writes are gone, that a plain restart neither rolls
+/// back nor (without AOF) keeps anything, and that the snapshot restores
+/// again after further writes.
+async fn assert_snapshot_rolls_back(server: &mut RedisServer, aof: bool) {
+    let mut client = server.client().await;
+    assert!(client.cmd(&["SET", "before", "1"]).await.is_ok());
+    assert!(client.cmd(&["SET", "changed", "old"]).await.is_ok());
+    client.xadd("pos:events", &[("n", "1")]).await;
+    client.xadd("pos:events", &[("n", "2")]).await;
+
+    let snapshot = server.snapshot().await;
+    assert_eq!(snapshot.is_aof(), aof, "{snapshot:?}");
+    let names: Vec<String> = snapshot
+        .files()
+        .iter()
+        .map(|f| f.display().to_string())
+        .collect();
+    if aof {
+        assert!(
+            names.iter().any(|n| n.ends_with(".manifest"))
+                && names.iter().any(|n| n.contains(".base.")),
+            "{names:?}"
+        );
+    } else {
+        assert_eq!(names, ["dump.rdb"]);
+        // The SAVE's file is not left behind for a plain restart to load.
+        assert!(!server.dir().join("dump.rdb").exists());
+    }
+
+    let mut client = server.client().await;
+    assert!(client.cmd(&["SET", "after", "1"]).await.is_ok());
+    assert!(client.cmd(&["SET", "changed", "new"]).await.is_ok());
+    client.xadd("pos:events", &[("n", "3")]).await;
+    drop(client);
+
+    server.restart().await;
+    let mut client = server.client().await;
+    if aof {
+        assert_eq!(get(&mut client, "changed").await.as_deref(), Some("new"));
+        assert_eq!(client.xlen("pos:events").await, 3);
+    } else {
+        assert_eq!(dbsize(&mut client).await, 0, "a plain restart loses all");
+    }
+    assert!(client.cmd(&["SET", "later", "1"]).await.is_ok());
+    drop(client);
+
+    for round in 0..2 {
+        server.restart_from(&snapshot).await;
+        let mut client = server.client().await;
+        assert_eq!(get(&mut client, "before").await.as_deref(), Some("1"));
+        assert_eq!(get(&mut client, "changed").await.as_deref(), Some("old"));
+        assert_eq!(get(&mut client, "after").await, None, "round {round}");
+        assert_eq!(get(&mut client, "later").await, None, "round {round}");
+        assert_eq!(client.xlen("pos:events").await, 2, "round {round}");
+        assert_eq!(dbsize(&mut client).await, 3, "round {round}");
+        // Writable, and (with AOF) persisted again from the restored files.
+        assert!(client.cmd(&["SET", "after", "2"]).await.is_ok());
+    }
+    if aof {
+        server.restart().await;
+        let mut client = server.client().await;
+        assert_eq!(get(&mut client, "after").await.as_deref(), Some("2"));
+        assert_eq!(dbsize(&mut client).await, 4);
+    }
+}
+
+/// Without AOF, `snapshot` SAVEs an RDB file aside and `restart_from` brings
+/// back exactly the keys written before it; a plain restart still loses
+/// everything.
+#[tokio::test]
+async fn snapshot_restore_rolls_back_without_aof() {
+    let mut server = RedisServer::start().await;
+    assert_snapshot_rolls_back(&mut server, false).await;
+}
+
+/// With AOF, `snapshot` copies the rewritten multi-part AOF (base, incr,
+/// manifest) and `restart_from` brings back exactly the keys written before
+/// it, although a plain restart keeps every later write.
+#[tokio::test]
+async fn snapshot_restore_rolls_back_with_aof() {
+    let mut server = RedisServer::builder().appendonly(true).start().await;
+    assert_snapshot_rolls_back(&mut server, true).await;
+}
+
+/// `restart_without_data` loses every key although AOF is on (and a
+/// snapshot exists), and the server persists new writes again afterwards.
+#[tokio::test]
+async fn restart_without_data_loses_everything_even_with_aof() {
+    let mut server = RedisServer::builder().appendonly(true).start().await;
+    let mut client = server.client().await;
+    client.xadd("pos:events", &[("n", "1")]).await;
+    assert!(client.cmd(&["SET", "k", "v"]).await.is_ok());
+    drop(client);
+    server.snapshot().await;
+    server.restart().await;
+    assert_eq!(dbsize(&mut server.client().await).await, 2);
+
+    server.restart_without_data().await;
+    let mut client = server.client().await;
+    assert_eq!(dbsize(&mut client).await, 0);
+    assert!(client.cmd(&["SET", "fresh", "1"]).await.is_ok());
+    drop(client);
+    server.restart().await;
+    let mut client = server.client().await;
+    assert_eq!(get(&mut client, "fresh").await.as_deref(), Some("1"));
+    assert_eq!(dbsize(&mut client).await, 1);
+}
