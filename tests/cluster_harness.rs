@@ -1,11 +1,14 @@
 //! Self-tests of the fault-injection pieces of the harness: Redis restarts
-//! from an older snapshot of a server's files or from none
+//! from an older snapshot of a server's files or from none, and a Redis
+//! Cluster with replicas that fails over when a master is killed
 //! (`support::redis`), real processes driven without the hub.
 
 mod support;
 
+use tokio::time::Instant;
+
 use support::redis::RedisServer;
-use support::{RespClient, RespValue};
+use support::{RedisCluster, RespClient, RespValue};
 
 async fn get(client: &mut RespClient, key: &str) -> Option<String> {
     let reply = client.cmd(&["GET", key]).await;
@@ -126,4 +129,83 @@ async fn restart_without_data_loses_everything_even_with_aof() {
     let mut client = server.client().await;
     assert_eq!(get(&mut client, "fresh").await.as_deref(), Some("1"));
     assert_eq!(dbsize(&mut client).await, 1);
+}
+
+/// A cluster of 3 masters with a replica each forms; killing the master of a
+/// key promotes its replica, which has the key's acknowledged entries and
+/// takes writes; the killed node restarts as a replica of the new master and
+/// gets the writes made meanwhile.
+#[tokio::test]
+async fn cluster_replica_takes_over_a_killed_master_and_the_master_rejoins() {
+    let started = Instant::now();
+    let mut cluster = RedisCluster::start_with_replicas(3, 1).await;
+    let formed = started.elapsed();
+    assert_eq!(cluster.nodes().len(), 6);
+    let masters = cluster.masters().await;
+    assert_eq!(masters.len(), 3, "{masters:?}");
+    let key = "posthorn:{g0}:events";
+    let old_master = cluster.master_of_slot_of(key).await;
+    assert!(masters.contains(&old_master));
+
+    cluster.xadd(key, &[("n", "1")]).await;
+    // The entry is on the replica before the master dies: WAIT returns how
+    // many replicas acknowledged it.
+    let replicated = RespClient::connect(old_master)
+        .await
+        .cmd(&["WAIT", "1", "5000"])
+        .await;
+    assert_eq!(replicated, RespValue::Int(1));
+
+    let killed = cluster.kill_master_of(key).await;
+    assert_eq!(cluster.node(killed).addr(), old_master);
+    let killed_at = Instant::now();
+    let promoted = cluster.wait_failover(killed).await;
+    let failover = killed_at.elapsed();
+    assert_ne!(promoted, killed);
+    let new_master = cluster.node(promoted).addr();
+    assert_eq!(cluster.master_of_slot_of(key).await, new_master);
+    let masters = cluster.masters().await;
+    assert_eq!(masters.len(), 3, "{masters:?}");
+    assert!(masters.contains(&new_master) && !masters.contains(&old_master));
+
+    let mut client = RespClient::connect(new_master).await;
+    assert_eq!(client.xlen(key).await, 1);
+    client.xadd(key, &[("n", "2")]).await;
+    assert!(cluster.xadd(key, &[("n", "3")]).await.contains('-'));
+
+    let restarting = Instant::now();
+    cluster.restart_node(killed).await;
+    let rejoin = restarting.elapsed();
+    let info = cluster
+        .node(killed)
+        .client()
+        .await
+        .info_map(&["INFO", "replication"])
+        .await;
+    let get = |k: &str| {
+        info.iter()
+            .find(|(key, _)| key == k)
+            .map(|(_, v)| v.clone())
+    };
+    assert_eq!(get("role").as_deref(), Some("slave"), "{info:?}");
+    assert_eq!(
+        get("master_port"),
+        Some(new_master.port().to_string()),
+        "{info:?}"
+    );
+    assert_eq!(
+        cluster.masters().await,
+        masters,
+        "the restarted node did not take its slots back"
+    );
+    // A replica serves reads of its master's slots once told READONLY.
+    assert_eq!(
+        client.cmd(&["WAIT", "1", "5000"]).await,
+        RespValue::Int(1),
+        "the rejoined replica acknowledges"
+    );
+    let mut replica = cluster.node(killed).client().await;
+    assert!(replica.cmd(&["READONLY"]).await.is_ok());
+    assert_eq!(replica.xlen(key).await, 3);
+    eprintln!("cluster formed in {formed:?}, failover took {failover:?}, rejoin {rejoin:?}");
 }
