@@ -1050,8 +1050,11 @@ impl RedisCluster {
     /// persistence and forms a cluster of `masters` masters with `replicas`
     /// replicas each (`redis-cli --cluster create --cluster-replicas`, which
     /// picks the roles: ask [`RedisCluster::masters`]). Returns once every
-    /// node reports `cluster_state:ok` and every replica has synced with its
-    /// master, so a failover can promote it right away.
+    /// node reports `cluster_state:ok` and every master streams its writes
+    /// to its replicas, so a failover can promote them right away.
+    ///
+    /// Replication stays asynchronous: a write is on a replica only once
+    /// `WAIT` on the connection that wrote it says so.
     ///
     /// The node timeout is 1 s, so a killed master's replica takes over in a
     /// few seconds; a node stalled that long (DEBUG SLEEP) is failed over too.
@@ -1080,6 +1083,7 @@ impl RedisCluster {
         cluster.create_with_redis_cli(replicas).await;
         cluster.wait_ok().await;
         cluster.wait_replicas_synced().await;
+        cluster.wait_replication_streams().await;
         cluster
     }
 
@@ -1224,6 +1228,60 @@ impl RedisCluster {
                 }
             }
             return;
+        }
+    }
+
+    /// Waits until every master with running replicas gets a write of its
+    /// own acknowledged by all of them (`SET` and `DEL` of a scratch key in
+    /// one of its slots, then `WAIT`). A replica reports its link up as soon
+    /// as the initial (diskless) sync is loaded, but Redis 7.0 holds the
+    /// writes that follow in the master's buffer until the replica's next
+    /// `REPLCONF ACK`, up to a second later: a master killed meanwhile takes
+    /// them along although `INFO` looked ready.
+    async fn wait_replication_streams(&self) {
+        let deadline = Instant::now() + CLUSTER_READY_TIMEOUT;
+        let (_, text) = self.any_cluster_nodes().await;
+        let entries = parse_cluster_nodes(&text);
+        let masters = entries
+            .iter()
+            .filter(|n| n.has_flag("master") && !n.has_flag("fail") && !n.slots.is_empty());
+        for master in masters {
+            let replicas = entries
+                .iter()
+                .filter(|n| {
+                    n.master_id.as_deref() == Some(master.id.as_str())
+                        && !n.has_flag("fail")
+                        && !n.has_flag("fail?")
+                })
+                .count();
+            if replicas == 0 {
+                continue;
+            }
+            let key = (0..)
+                .map(|n| format!("posthorn:harness:replication:{{{n}}}"))
+                .find(|key| master.owns(key_slot(key)))
+                .expect("some tag hashes into the master's slots");
+            let addr = master
+                .addr
+                .unwrap_or_else(|| panic!("master {} without address", master.id));
+            // WAIT counts acknowledgements of this connection's writes only.
+            let mut client = RespClient::connect(addr).await;
+            let want = i64::try_from(replicas).expect("replica count fits i64");
+            loop {
+                let set = client.cmd(&["SET", &key, "1"]).await;
+                assert!(set.is_ok(), "SET {key} on {addr}: {set:?}");
+                client.cmd(&["DEL", &key]).await;
+                let acked = client.cmd(&["WAIT", &replicas.to_string(), "1000"]).await;
+                if acked.as_int().is_some_and(|n| n >= want) {
+                    break;
+                }
+                if Instant::now() >= deadline {
+                    panic!(
+                        "{addr} does not stream writes to its {replicas} replicas after                          {CLUSTER_READY_TIMEOUT:?} (WAIT: {acked:?})\n{}",
+                        self.report().await
+                    );
+                }
+            }
         }
     }
 
@@ -1442,7 +1500,8 @@ impl RedisCluster {
     /// Starts the killed (or stopped) node `i` again on its port and
     /// directory and waits until it is back as a replica: it reports
     /// `role:slave` with `master_link_status:up`, every running node sees it
-    /// as a healthy replica and the cluster is ok. A failed-over master
+    /// as a healthy replica, the cluster is ok and its master streams writes
+    /// to it (see [`RedisCluster::start_with_replicas`]). A failed-over master
     /// rejoins as a replica of the master that replaced it; without AOF it
     /// comes back empty and resyncs in full. Panics if it comes back as the
     /// master of slots (it was a master restarted before
@@ -1454,7 +1513,7 @@ impl RedisCluster {
         loop {
             let why = match self.rejoined_as_replica(i).await {
                 Ok(()) => match self.all_ok().await {
-                    Ok(()) => return,
+                    Ok(()) => break,
                     Err(why) => why,
                 },
                 Err(why) => why,
@@ -1468,6 +1527,7 @@ impl RedisCluster {
             }
             tokio::time::sleep(CLUSTER_POLL).await;
         }
+        self.wait_replication_streams().await;
     }
 
     async fn rejoined_as_replica(&self, i: usize) -> Result<(), String> {
@@ -1596,6 +1656,8 @@ struct ClusterNodeEntry {
     /// `None` for a node whose address is not known yet (`:0@0`).
     addr: Option<SocketAddr>,
     flags: Vec<String>,
+    /// The master of a replica (`-` for a master).
+    master_id: Option<String>,
     slots: Vec<(u16, u16)>,
 }
 
@@ -1644,6 +1706,7 @@ fn parse_cluster_nodes(text: &str) -> Vec<ClusterNodeEntry> {
                 id: words[0].to_string(),
                 addr,
                 flags: words[2].split(',').map(str::to_string).collect(),
+                master_id: (words[3] != "-").then(|| words[3].to_string()),
                 slots,
             }
         })
