@@ -1,14 +1,19 @@
 //! Self-tests of the fault-injection pieces of the harness: Redis restarts
-//! from an older snapshot of a server's files or from none, and a Redis
-//! Cluster with replicas that fails over when a master is killed
-//! (`support::redis`), real processes driven without the hub.
+//! from an older snapshot of a server's files or from none, a Redis Cluster
+//! with replicas that fails over when a master is killed (`support::redis`),
+//! and a three-node NATS JetStream cluster (`support::nats_cluster`), all
+//! real processes driven without the hub.
 
 mod support;
 
+use std::time::Duration;
+
+use async_nats::jetstream::{self, message::PublishMessage, stream};
 use tokio::time::Instant;
 
+use support::nats_cluster::NatsCluster;
 use support::redis::RedisServer;
-use support::{RedisCluster, RespClient, RespValue};
+use support::{http, RedisCluster, RespClient, RespValue};
 
 async fn get(client: &mut RespClient, key: &str) -> Option<String> {
     let reply = client.cmd(&["GET", key]).await;
@@ -209,4 +214,188 @@ async fn cluster_replica_takes_over_a_killed_master_and_the_master_rejoins() {
     assert!(replica.cmd(&["READONLY"]).await.is_ok());
     assert_eq!(replica.xlen(key).await, 3);
     eprintln!("cluster formed in {formed:?}, failover took {failover:?}, rejoin {rejoin:?}");
+}
+
+/// Publishes message `n` to `EVENTS` with a message id (so a retry after a lost ack is not
+/// stored twice) until it is acknowledged; returns how long that took. Panics after 20 s.
+async fn publish_acked(js: &jetstream::Context, n: usize) -> Duration {
+    const PUBLISH_DEADLINE: Duration = Duration::from_secs(20);
+    let started = Instant::now();
+    loop {
+        let message = PublishMessage::build()
+            .payload(n.to_string().into())
+            .message_id(format!("msg-{n}"));
+        let acked = match js.send_publish(format!("events.pos-{n}"), message).await {
+            Ok(ack) => ack.await.map_err(|e| e.to_string()),
+            Err(e) => Err(e.to_string()),
+        };
+        match acked {
+            Ok(ack) => {
+                assert_eq!(ack.stream, "EVENTS");
+                return started.elapsed();
+            }
+            Err(e) if started.elapsed() >= PUBLISH_DEADLINE => {
+                panic!("message {n} not acknowledged within {PUBLISH_DEADLINE:?}: {e}")
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+        }
+    }
+}
+
+/// Three nodes form a JetStream cluster with a meta leader; `urls` joins every node's URL
+/// with commas, which async-nats 0.46 cannot parse, while `server_urls` connects; a client
+/// given one URL learns the other nodes from the server.
+#[tokio::test]
+async fn nats_cluster_forms_and_names_its_nodes() {
+    let started = Instant::now();
+    let Some(cluster) = NatsCluster::start(3).await else {
+        return;
+    };
+    let formed = started.elapsed();
+    assert_eq!(cluster.node_count(), 3);
+    let urls = cluster.server_urls();
+    assert_eq!(urls.len(), 3);
+    assert_eq!(cluster.urls(), urls.join(","));
+    assert_eq!(
+        urls[1],
+        format!("nats://127.0.0.1:{}", cluster.addr(1).port())
+    );
+    assert_eq!(cluster.url(2), urls[2]);
+
+    let error = cluster
+        .urls()
+        .parse::<async_nats::ServerAddr>()
+        .expect_err("async-nats 0.46 takes one URL per string");
+    assert!(error.to_string().contains("invalid port"), "{error}");
+    let client = cluster.client().await;
+    client.flush().await.expect("flush");
+
+    let single = async_nats::connect(cluster.url(0)).await.expect("connect");
+    let discovered = single.server_info().connect_urls;
+    for i in 1..3 {
+        let addr = cluster.addr(i).to_string();
+        assert!(
+            discovered.iter().any(|u| u.ends_with(&addr)),
+            "{addr} not in {discovered:?}"
+        );
+    }
+
+    let mut leaders = Vec::new();
+    for i in 0..3 {
+        let jsz = http::get(cluster.monitor_addr(i), "/jsz").await.json();
+        assert_eq!(jsz["meta_cluster"]["name"], "posthorn", "{jsz}");
+        leaders.push(
+            jsz["meta_cluster"]["leader"]
+                .as_str()
+                .unwrap_or("")
+                .to_string(),
+        );
+    }
+    assert!(
+        cluster.index_of(&leaders[0]).is_some() && leaders.iter().all(|l| *l == leaders[0]),
+        "meta leaders {leaders:?}"
+    );
+    eprintln!(
+        "NATS cluster formed in {formed:?}, meta leader {}",
+        leaders[0]
+    );
+}
+
+/// An R3 stream keeps acknowledging publishes after the node leading it is SIGKILLed (a new
+/// leader is elected, the client moves to a live node), no message is lost or stored twice,
+/// and once the node restarts with its store the stream reports three current replicas again.
+#[tokio::test]
+async fn nats_cluster_r3_stream_survives_a_killed_node() {
+    let Some(mut cluster) = NatsCluster::start(3).await else {
+        return;
+    };
+    let mut stream = cluster
+        .create_replicated_stream(stream::Config {
+            name: "EVENTS".into(),
+            subjects: vec!["events.>".into()],
+            ..Default::default()
+        })
+        .await;
+    let info = stream.info().await.expect("stream info");
+    assert_eq!(info.config.num_replicas, 3);
+    let replicas = &info.cluster.as_ref().expect("clustered").replicas;
+    assert_eq!(replicas.len(), 2, "{replicas:?}");
+
+    let js = jetstream::ContextBuilder::new()
+        .timeout(Duration::from_secs(2))
+        .build(cluster.client().await);
+    for n in 0..10 {
+        publish_acked(&js, n).await;
+    }
+    let leader = cluster.stream_leader("EVENTS").await;
+    cluster.kill(leader);
+    let mut slowest = Duration::ZERO;
+    for n in 10..40 {
+        slowest = slowest.max(publish_acked(&js, n).await);
+    }
+    let new_leader = cluster.stream_leader("EVENTS").await;
+    assert_ne!(new_leader, leader);
+    let info = js
+        .get_stream("EVENTS")
+        .await
+        .expect("stream")
+        .get_info()
+        .await
+        .expect("info");
+    assert_eq!(info.state.messages, 40);
+    let peers = info.cluster.expect("clustered").replicas;
+    let dead = cluster.server_name(leader);
+    assert!(
+        peers.iter().any(|p| p.name == dead && !p.current),
+        "the killed node still looks current: {peers:?}"
+    );
+
+    let restarting = Instant::now();
+    cluster.restart(leader).await;
+    let rejoined = restarting.elapsed();
+    let info = cluster.wait_stream_current("EVENTS").await;
+    let current = restarting.elapsed();
+    assert_eq!(info.state.messages, 40);
+    assert_eq!(info.state.last_sequence, 40);
+    let peers = info.cluster.expect("clustered").replicas;
+    assert_eq!(peers.len(), 2, "{peers:?}");
+    assert!(peers.iter().all(|p| p.current && !p.offline), "{peers:?}");
+    // And it serves clients again: a publish through it alone is stored by the cluster.
+    let through_restarted = jetstream::new(
+        async_nats::connect(cluster.url(leader))
+            .await
+            .expect("connect to the restarted node"),
+    );
+    publish_acked(&through_restarted, 40).await;
+    eprintln!(
+        "slowest ack after the kill {slowest:?}; restarted node back in {rejoined:?}, \
+         stream current after {current:?}"
+    );
+}
+
+/// A client given only the URL of one node keeps publishing after that node is killed: it
+/// reconnects to a node it learnt from the server's `connect_urls`, as the hub (which takes
+/// one `nats.url`) would.
+#[tokio::test]
+async fn nats_cluster_single_url_client_fails_over_to_discovered_nodes() {
+    let Some(mut cluster) = NatsCluster::start(3).await else {
+        return;
+    };
+    cluster
+        .create_replicated_stream(stream::Config {
+            name: "EVENTS".into(),
+            subjects: vec!["events.>".into()],
+            ..Default::default()
+        })
+        .await;
+    let client = async_nats::connect(cluster.url(0)).await.expect("connect");
+    let js = jetstream::ContextBuilder::new()
+        .timeout(Duration::from_secs(2))
+        .build(client.clone());
+    publish_acked(&js, 0).await;
+    cluster.kill(0);
+    let took = publish_acked(&js, 1).await;
+    let now_on = client.server_info().port;
+    assert_ne!(now_on, cluster.addr(0).port());
+    eprintln!("single-URL client re-acknowledged after {took:?}, now on port {now_on}");
 }
