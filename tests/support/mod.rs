@@ -1,6 +1,8 @@
 //! Black-box test harness for the `posthorn` binary: process control
 //! ([`hub`]), a raw HTTP/1.1 client ([`http`]), an SSE client and decoder
-//! ([`sse`]) and a Prometheus text scraper ([`metrics`]).
+//! ([`sse`]), a Prometheus text scraper ([`metrics`]), and the servers it
+//! runs against: Redis standalone and cluster ([`redis`]), NATS JetStream
+//! alone ([`nats`]) or clustered ([`nats_cluster`]), nginx ([`nginx`]).
 //!
 //! Every test binary does `mod support;` and uses a different subset, hence
 //! the blanket `dead_code` allowance.
@@ -11,6 +13,7 @@ pub mod http;
 pub mod hub;
 pub mod metrics;
 pub mod nats;
+pub mod nats_cluster;
 pub mod nginx;
 pub mod redis;
 pub mod sse;
@@ -24,7 +27,7 @@ pub use hub::Hub;
 #[allow(unused_imports)]
 pub use nginx::Nginx;
 #[allow(unused_imports)]
-pub use redis::{RedisCluster, RedisServer, RespClient, RespValue};
+pub use redis::{RedisCluster, RedisServer, RedisSnapshot, RespClient, RespValue};
 #[allow(unused_imports)]
 pub use sse::{SseClient, SseEvent, SseNext};
 

@@ -10,6 +10,9 @@
 //! A missing `nats-server` binary fails the test under `CI=true` (a NATS test that passes
 //! without NATS proves nothing there); elsewhere [`NatsServer::start`] returns `None` and the
 //! test returns early after saying so on stderr.
+//!
+//! The nodes of a [`super::nats_cluster::NatsCluster`] are `NatsServer`s too, started from a
+//! configuration file instead of flags.
 
 use std::fs::OpenOptions;
 use std::net::{Ipv4Addr, SocketAddr};
@@ -44,6 +47,9 @@ pub struct NatsServer {
     last_pid: Option<u32>,
     port: u16,
     dir: PathBuf,
+    /// `nats-server -c` this file instead of the standalone flags (cluster nodes, whose file
+    /// sets the port and store directory).
+    config: Option<PathBuf>,
 }
 
 impl NatsServer {
@@ -58,6 +64,7 @@ impl NatsServer {
             last_pid: None,
             port: 0,
             dir: super::unique_temp_dir("nats"),
+            config: None,
         };
         for attempt in 1..=PORT_ATTEMPTS {
             server.port = free_port();
@@ -79,8 +86,60 @@ impl NatsServer {
         unreachable!("the last attempt returns or panics")
     }
 
+    /// A stopped server that runs `nats-server -c DIR/nats.conf` from a fresh directory once
+    /// spawned; the caller writes the file (with `port`) and waits for readiness its own way.
+    pub(super) fn configured(binary: PathBuf, kind: &str, port: u16) -> NatsServer {
+        let dir = super::unique_temp_dir(kind);
+        NatsServer {
+            child: None,
+            binary,
+            last_exit: None,
+            last_pid: None,
+            port,
+            config: Some(dir.join("nats.conf")),
+            dir,
+        }
+    }
+
+    /// The configuration file of a cluster node.
+    pub(super) fn config_path(&self) -> Option<&Path> {
+        self.config.as_deref()
+    }
+
+    /// Moves a stopped configured server to another port (after losing a port race).
+    pub(super) fn set_port(&mut self, port: u16) {
+        assert!(self.child.is_none(), "set_port on a running nats-server");
+        self.port = port;
+    }
+
+    /// The exit status if the process exited by itself since the last look (it is reaped);
+    /// `None` while it runs or when it is stopped.
+    pub(super) fn exited(&mut self) -> Option<ExitStatus> {
+        let child = self.child.as_mut()?;
+        let status = child.try_wait().expect("try_wait on nats-server")?;
+        self.child = None;
+        self.last_exit = Some(status);
+        Some(status)
+    }
+
+    /// The exit status of the last process (after a kill, a stop or a crash).
+    pub fn last_exit(&self) -> Option<ExitStatus> {
+        self.last_exit
+    }
+
     pub fn port(&self) -> u16 {
         self.port
+    }
+
+    /// Whether the process was started and not stopped or killed since (it may have crashed:
+    /// see the log).
+    pub fn is_running(&self) -> bool {
+        self.child.is_some()
+    }
+
+    /// The process id while running.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
     }
 
     pub fn addr(&self) -> SocketAddr {
@@ -180,7 +239,7 @@ impl NatsServer {
 
     /// `fresh_log` truncates the log, so a retried port race does not leave the previous
     /// attempt's "address already in use" behind.
-    fn spawn(&mut self, fresh_log: bool) {
+    pub(super) fn spawn(&mut self, fresh_log: bool) {
         let log_path = self.log_path();
         let log = OpenOptions::new()
             .create(true)
@@ -190,16 +249,21 @@ impl NatsServer {
             .open(&log_path)
             .unwrap_or_else(|e| panic!("open {}: {e}", log_path.display()));
         let log_dup = log.try_clone().expect("clone log file handle");
-        let child = Command::new(&self.binary)
-            .args([
-                "-js",
-                "-a",
-                "127.0.0.1",
-                "-p",
-                &self.port.to_string(),
-                "-sd",
-            ])
-            .arg(self.dir.join("store"))
+        let mut command = Command::new(&self.binary);
+        match &self.config {
+            Some(config) => command.arg("-c").arg(config),
+            None => command
+                .args([
+                    "-js",
+                    "-a",
+                    "127.0.0.1",
+                    "-p",
+                    &self.port.to_string(),
+                    "-sd",
+                ])
+                .arg(self.dir.join("store")),
+        };
+        let child = command
             .current_dir(&self.dir)
             .stdin(Stdio::null())
             .stdout(log_dup)
@@ -238,8 +302,9 @@ impl NatsServer {
     }
 }
 
-/// Connects without retrying and asks JetStream for the account: ready means JetStream serves.
-async fn probe(addr: SocketAddr) -> Result<(), String> {
+/// Connects without retrying and asks JetStream for the account: ready means JetStream serves
+/// (in a cluster: this node knows the meta leader).
+pub(super) async fn probe(addr: SocketAddr) -> Result<(), String> {
     let attempt = async {
         let client = async_nats::ConnectOptions::new()
             .connection_timeout(Duration::from_secs(1))
@@ -289,7 +354,7 @@ impl Drop for NatsServer {
 
 /// Resolves `nats-server` on PATH (or /usr/sbin, where Debian puts it and a non-root PATH may
 /// not look). Missing: a panic under `CI=true`, otherwise `None` and a note on stderr.
-fn binary() -> Option<PathBuf> {
+pub(super) fn binary() -> Option<PathBuf> {
     let path = std::env::var_os("PATH").unwrap_or_default();
     let found = std::env::split_paths(&path)
         .chain([PathBuf::from("/usr/sbin"), PathBuf::from("/usr/local/bin")])

@@ -1,9 +1,11 @@
 //! Real Redis servers for the Redis Streams backend tests: a standalone
 //! server with optional AOF persistence that can be killed and restarted on
-//! the same port, a cluster of masters formed with `redis-cli --cluster`, and
-//! a tiny RESP2 client ([`RespClient`]) so tests can act as an external
-//! producer (XADD), inspect state (XLEN, XINFO) and reconfigure (CONFIG SET)
-//! without a Redis client crate.
+//! the same port (also from an older snapshot of its files, or without any,
+//! to simulate rollbacks and lost disks), a cluster formed with
+//! `redis-cli --cluster` (masters only, or with replicas that take over when
+//! a master is killed), and a tiny RESP2 client ([`RespClient`]) so tests can
+//! act as an external producer (XADD), inspect state (XLEN, XINFO) and
+//! reconfigure (CONFIG SET) without a Redis client crate.
 //!
 //! Each server runs `redis-server` from a fresh temporary directory holding
 //! its `redis.conf`, its data files and `redis.log`; dropping it SIGKILLs and
@@ -413,6 +415,7 @@ impl RedisBuilder {
             port: 0,
             dir: super::unique_temp_dir("redis"),
             builder: self,
+            snapshots: 0,
         };
         for attempt in 1..=PORT_ATTEMPTS {
             server.port = if server.builder.cluster {
@@ -441,6 +444,39 @@ impl RedisBuilder {
     }
 }
 
+/// The persisted state of one [`RedisServer`] at some moment, copied aside
+/// by [`RedisServer::snapshot`] into the server's directory (and removed
+/// with it); [`RedisServer::restart_from`] restarts the server from it.
+#[derive(Debug, Clone)]
+pub struct RedisSnapshot {
+    dir: PathBuf,
+    /// Directory of the server that took it, the only one it may restore.
+    origin: PathBuf,
+    aof: bool,
+    /// Relative to `dir`, and to the server's directory once restored.
+    files: Vec<PathBuf>,
+}
+
+impl RedisSnapshot {
+    /// Where the copied files are (`snapshots/N` in the server's directory).
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Whether it holds an AOF directory (the server had AOF on) rather than
+    /// an RDB file.
+    pub fn is_aof(&self) -> bool {
+        self.aof
+    }
+
+    /// The copied files, relative to [`RedisSnapshot::dir`] and to the
+    /// server's directory, e.g. `dump.rdb` or
+    /// `appendonlydir/appendonly.aof.2.base.rdb`.
+    pub fn files(&self) -> &[PathBuf] {
+        &self.files
+    }
+}
+
 /// A `redis-server` process. Dropping it SIGKILLs and reaps the process and
 /// removes its directory.
 #[derive(Debug)]
@@ -453,6 +489,8 @@ pub struct RedisServer {
     port: u16,
     dir: PathBuf,
     builder: RedisBuilder,
+    /// Snapshots taken so far, to name the next one's directory.
+    snapshots: usize,
 }
 
 impl RedisServer {
@@ -551,6 +589,168 @@ impl RedisServer {
         }
     }
 
+    /// Copies the server's persisted state aside, into `snapshots/N/` of its
+    /// directory, so that [`RedisServer::restart_from`] can later restart the
+    /// server from this older state. Panics if the server is stopped or
+    /// Redis reports a failure.
+    ///
+    /// Without AOF it runs `SAVE` and copies the RDB file. With AOF it runs
+    /// `BGREWRITEAOF`, waits until the rewrite is done and copies the files
+    /// of the multi-part AOF of Redis 7 (`appendonlydir/`: an RDB-format
+    /// base, an incremental AOF and the manifest naming them). Writes racing
+    /// with the snapshot may or may not be in it.
+    pub async fn snapshot(&mut self) -> RedisSnapshot {
+        assert!(
+            self.child.is_some(),
+            "snapshot of the stopped redis-server on port {}",
+            self.port
+        );
+        let mut client = self.client().await;
+        let reply = client.cmd(&["CONFIG", "GET", "appendonly"]).await;
+        let aof = match reply.as_array() {
+            Some([_, value]) => value.as_str() == Some("yes"),
+            _ => panic!("CONFIG GET appendonly on {}: {reply:?}", self.addr()),
+        };
+        // restart_from starts the server from redis.conf, which decides what
+        // it loads: a snapshot in the other mode would silently load nothing.
+        assert_eq!(
+            aof,
+            self.aof_configured(),
+            "appendonly on {} was changed at run time; its snapshot would not be loaded on restart",
+            self.addr()
+        );
+        let dir = self.dir.join("snapshots").join(self.snapshots.to_string());
+        self.snapshots += 1;
+        create_dir(&dir);
+        let (rdb_name, aof_dir_name) = self.persistence_names();
+        let mut files = Vec::new();
+        if aof {
+            rewrite_aof(&mut client).await;
+            let aof_dir = self.dir.join(&aof_dir_name);
+            let manifest_name = format!("{}.manifest", self.aof_file_name());
+            let manifest_path = aof_dir.join(&manifest_name);
+            // Read first: the manifest names the files this state is made
+            // of; history files it may still list are being deleted.
+            let manifest = std::fs::read_to_string(&manifest_path)
+                .unwrap_or_else(|e| panic!("read {}: {e}", manifest_path.display()));
+            create_dir(&dir.join(&aof_dir_name));
+            for name in aof_manifest_files(&manifest) {
+                let file = Path::new(&aof_dir_name).join(name);
+                copy_file(&self.dir.join(&file), &dir.join(&file));
+                files.push(file);
+            }
+            let file = Path::new(&aof_dir_name).join(manifest_name);
+            let target = dir.join(&file);
+            std::fs::write(&target, &manifest)
+                .unwrap_or_else(|e| panic!("write {}: {e}", target.display()));
+            files.push(file);
+        } else {
+            let live = self.dir.join(&rdb_name);
+            let existed = live.exists();
+            let reply = client.cmd(&["SAVE"]).await;
+            assert!(reply.is_ok(), "SAVE on {}: {reply:?}", self.addr());
+            copy_file(&live, &dir.join(&rdb_name));
+            // With `save ""` the server had no RDB file, and a plain restart
+            // must keep losing the data: Redis loads an RDB file at start-up
+            // whenever AOF is off, so leaving this one would turn every later
+            // restart into a silent rollback to the snapshot.
+            if !existed {
+                std::fs::remove_file(&live)
+                    .unwrap_or_else(|e| panic!("remove {}: {e}", live.display()));
+            }
+            files.push(PathBuf::from(rdb_name));
+        }
+        RedisSnapshot {
+            dir,
+            origin: self.dir.clone(),
+            aof,
+            files,
+        }
+    }
+
+    /// SIGKILLs the server, replaces its persistence files with the
+    /// snapshot's and starts it again on the same port: it comes back with
+    /// the data it had when the snapshot was taken, as after a restart from
+    /// an older RDB file or AOF. Returns once it answers PING (not LOADING).
+    /// The snapshot stays usable for further restarts.
+    pub async fn restart_from(&mut self, snapshot: &RedisSnapshot) {
+        assert_eq!(
+            snapshot.origin, self.dir,
+            "a snapshot can only restore the server that took it"
+        );
+        self.kill();
+        self.remove_persistence();
+        for file in &snapshot.files {
+            let target = self.dir.join(file);
+            if let Some(parent) = target.parent() {
+                create_dir(parent);
+            }
+            copy_file(&snapshot.dir.join(file), &target);
+        }
+        self.start_again().await;
+    }
+
+    /// SIGKILLs the server, deletes its RDB file and AOF directory and starts
+    /// it again on the same port: a restart that lost every key even with
+    /// AOF on (a lost disk). A cluster node keeps its `nodes.conf`, hence its
+    /// identity and view of the cluster. Returns once it answers PING.
+    pub async fn restart_without_data(&mut self) {
+        self.kill();
+        self.remove_persistence();
+        self.start_again().await;
+    }
+
+    /// Deletes the files a (stopped) server loads its data from.
+    fn remove_persistence(&self) {
+        let (rdb_name, aof_dir_name) = self.persistence_names();
+        let rdb = self.dir.join(rdb_name);
+        match std::fs::remove_file(&rdb) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => panic!("remove {}: {e}", rdb.display()),
+        }
+        let aof_dir = self.dir.join(aof_dir_name);
+        match std::fs::remove_dir_all(&aof_dir) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => panic!("remove {}: {e}", aof_dir.display()),
+        }
+    }
+
+    /// The last value of `directive` among the builder's extra directives
+    /// (the one Redis applies), without quotes.
+    fn configured(&self, directive: &str) -> Option<String> {
+        self.builder
+            .config
+            .iter()
+            .rev()
+            .find(|(d, _)| d.eq_ignore_ascii_case(directive))
+            .map(|(_, v)| v.trim_matches('"').to_string())
+    }
+
+    /// Whether redis.conf turns AOF on (an extra directive wins over
+    /// [`RedisBuilder::appendonly`], as it comes later in the file).
+    fn aof_configured(&self) -> bool {
+        self.configured("appendonly")
+            .map_or(self.builder.appendonly, |v| v.eq_ignore_ascii_case("yes"))
+    }
+
+    /// `dbfilename` and `appenddirname` as redis.conf sets them.
+    fn persistence_names(&self) -> (String, String) {
+        (
+            self.configured("dbfilename")
+                .unwrap_or_else(|| "dump.rdb".into()),
+            self.configured("appenddirname")
+                .unwrap_or_else(|| "appendonlydir".into()),
+        )
+    }
+
+    /// `appendfilename`, the prefix of every AOF file and of the manifest.
+    fn aof_file_name(&self) -> String {
+        self.configured("appendfilename")
+            .unwrap_or_else(|| "appendonly.aof".into())
+    }
+
     fn write_config(&self) {
         let b = &self.builder;
         let mut conf = format!(
@@ -572,9 +772,14 @@ impl RedisServer {
         if b.cluster {
             conf.push_str(
                 "cluster-enabled yes\n\
-                 cluster-config-file nodes.conf\n\
-                 cluster-node-timeout 5000\n",
+                 cluster-config-file nodes.conf\n",
             );
+            // Written only when the builder has none: redis.conf takes the
+            // last of repeated directives, but one line per directive keeps
+            // the file readable in a failure report.
+            if self.configured("cluster-node-timeout").is_none() {
+                conf.push_str("cluster-node-timeout 5000\n");
+            }
         }
         for (directive, value) in &b.config {
             conf.push_str(&format!("{directive} {value}\n"));
@@ -639,6 +844,98 @@ impl RedisServer {
 async fn ping(addr: SocketAddr) -> io::Result<RespValue> {
     let mut client = RespClient::try_connect_within(addr, PROBE_TIMEOUT).await?;
     client.try_cmd_within(&["PING"], PROBE_TIMEOUT).await
+}
+
+/// Runs `BGREWRITEAOF` and waits until that rewrite is done, so the AOF
+/// directory holds a fresh base and its manifest is not about to change.
+async fn rewrite_aof(client: &mut RespClient) {
+    let addr = client.addr();
+    let deadline = Instant::now() + READY_TIMEOUT;
+    let info = client.info_map(&["INFO", "persistence"]).await;
+    let rewrites_before = info_u64(&info, "aof_rewrites", addr);
+    loop {
+        let reply = client.cmd(&["BGREWRITEAOF"]).await;
+        match reply.as_error() {
+            // "started", or "scheduled" behind a running RDB save.
+            None => break,
+            // A rewrite we did not ask for: it may have forked before the
+            // latest writes; wait for it and start ours.
+            Some(e) if e.contains("in progress") && Instant::now() < deadline => {
+                tokio::time::sleep(READY_POLL).await;
+            }
+            Some(_) => panic!("BGREWRITEAOF on {addr}: {reply:?}"),
+        }
+    }
+    loop {
+        let info = client.info_map(&["INFO", "persistence"]).await;
+        let get = |k: &str| {
+            info.iter()
+                .find(|(key, _)| key == k)
+                .map(|(_, v)| v.as_str())
+        };
+        // aof_rewrites counts forks, so it moves as soon as ours started;
+        // in_progress drops only after the manifest names the new files.
+        let done = info_u64(&info, "aof_rewrites", addr) > rewrites_before
+            && get("aof_rewrite_in_progress") == Some("0")
+            && get("aof_rewrite_scheduled") == Some("0");
+        if done {
+            assert_eq!(
+                get("aof_last_bgrewrite_status"),
+                Some("ok"),
+                "AOF rewrite on {addr} failed: {info:?}"
+            );
+            return;
+        }
+        if Instant::now() >= deadline {
+            panic!("AOF rewrite on {addr} not done after {READY_TIMEOUT:?}: {info:?}");
+        }
+        tokio::time::sleep(READY_POLL).await;
+    }
+}
+
+fn info_u64(info: &[(String, String)], key: &str, addr: SocketAddr) -> u64 {
+    info.iter()
+        .find(|(k, _)| k == key)
+        .and_then(|(_, v)| v.parse().ok())
+        .unwrap_or_else(|| panic!("no numeric {key} in INFO of {addr}: {info:?}"))
+}
+
+/// The base and incremental files an AOF manifest of Redis 7 lists, one
+/// `file NAME seq N type T` line each (`b` base, `i` incremental, `h`
+/// history: left over from an older rewrite and never loaded).
+fn aof_manifest_files(manifest: &str) -> Vec<String> {
+    let mut files = Vec::new();
+    for line in manifest.lines().filter(|l| !l.trim().is_empty()) {
+        let words: Vec<&str> = line.split_whitespace().collect();
+        let field = |key: &str| {
+            words
+                .chunks(2)
+                .find(|pair| pair[0] == key)
+                .and_then(|pair| pair.get(1).copied())
+        };
+        let (Some(name), Some(kind)) = (field("file"), field("type")) else {
+            panic!("unexpected AOF manifest line {line:?} in:\n{manifest}");
+        };
+        // Redis quotes names with special characters; ours have none.
+        assert!(
+            !name.starts_with('"'),
+            "quoted AOF file name in:\n{manifest}"
+        );
+        if kind != "h" {
+            files.push(name.to_string());
+        }
+    }
+    assert!(!files.is_empty(), "AOF manifest lists no file:\n{manifest}");
+    files
+}
+
+fn create_dir(dir: &Path) {
+    std::fs::create_dir_all(dir).unwrap_or_else(|e| panic!("create {}: {e}", dir.display()));
+}
+
+fn copy_file(from: &Path, to: &Path) {
+    std::fs::copy(from, to)
+        .unwrap_or_else(|e| panic!("copy {} to {}: {e}", from.display(), to.display()));
 }
 
 impl Drop for RedisServer {
@@ -706,11 +1003,26 @@ fn free_cluster_port() -> u16 {
 // Cluster
 // ---------------------------------------------------------------------------
 
-/// A Redis Cluster of masters only (no replicas), every slot assigned.
-/// Dropping it kills every node.
+/// `cluster-node-timeout` of [`RedisCluster::start_with_replicas`]: a killed
+/// master is flagged failing after about this long, and its replica is
+/// promoted within a few seconds.
+const REPLICA_CLUSTER_NODE_TIMEOUT_MS: u32 = 1_000;
+/// How long a failover or a rejoin may take: a few node timeouts plus the
+/// replica's election delay, with room for a loaded machine.
+const FAILOVER_TIMEOUT: Duration = Duration::from_secs(30);
+const CLUSTER_POLL: Duration = Duration::from_millis(50);
+
+/// A Redis Cluster with every slot assigned: masters only
+/// ([`RedisCluster::start`]), or masters with replicas that take over when a
+/// master is killed ([`RedisCluster::start_with_replicas`]). Nodes are
+/// numbered in start order; a node keeps its index, port, directory and
+/// cluster id across restarts, whatever its role. Dropping the cluster kills
+/// every node.
 #[derive(Debug)]
 pub struct RedisCluster {
     nodes: Vec<RedisServer>,
+    /// `CLUSTER MYID` of each node (kept in its `nodes.conf`).
+    ids: Vec<String>,
 }
 
 impl RedisCluster {
@@ -720,17 +1032,13 @@ impl RedisCluster {
     /// reports `cluster_state:ok`.
     pub async fn start(masters: usize) -> RedisCluster {
         assert!(masters >= 1, "a cluster needs at least one master");
-        let mut nodes = Vec::with_capacity(masters);
-        for _ in 0..masters {
-            let builder = RedisBuilder {
-                cluster: true,
-                ..RedisBuilder::default()
-            };
-            nodes.push(builder.start().await);
-        }
-        let cluster = RedisCluster { nodes };
+        let builder = RedisBuilder {
+            cluster: true,
+            ..RedisBuilder::default()
+        };
+        let cluster = Self::start_nodes(masters, builder).await;
         if masters >= 3 {
-            cluster.create_with_redis_cli().await;
+            cluster.create_with_redis_cli(0).await;
         } else {
             cluster.create_by_hand().await;
         }
@@ -738,11 +1046,68 @@ impl RedisCluster {
         cluster
     }
 
-    async fn create_with_redis_cli(&self) {
+    /// Starts `masters * (1 + replicas)` cluster-enabled servers without
+    /// persistence and forms a cluster of `masters` masters with `replicas`
+    /// replicas each (`redis-cli --cluster create --cluster-replicas`, which
+    /// picks the roles: ask [`RedisCluster::masters`]). Returns once every
+    /// node reports `cluster_state:ok` and every master streams its writes
+    /// to its replicas, so a failover can promote them right away.
+    ///
+    /// Replication stays asynchronous: a write is on a replica only once
+    /// `WAIT` on the connection that wrote it says so.
+    ///
+    /// The node timeout is 1 s, so a killed master's replica takes over in a
+    /// few seconds; a node stalled that long (DEBUG SLEEP) is failed over too.
+    pub async fn start_with_replicas(masters: usize, replicas: usize) -> RedisCluster {
+        assert!(
+            masters >= 3,
+            "redis-cli --cluster create needs at least 3 masters, got {masters}"
+        );
+        assert!(
+            replicas >= 1,
+            "no replicas: use RedisCluster::start({masters})"
+        );
+        let builder = RedisBuilder {
+            cluster: true,
+            ..RedisBuilder::default()
+        }
+        .config(
+            "cluster-node-timeout",
+            REPLICA_CLUSTER_NODE_TIMEOUT_MS.to_string(),
+        )
+        // Redis 7.0 streams the initial sync to replicas without a file
+        // (repl-diskless-sync yes) but first waits 5 s for more replicas to
+        // share it; nothing would share it here.
+        .config("repl-diskless-sync-delay", "0");
+        let cluster = Self::start_nodes(masters * (1 + replicas), builder).await;
+        cluster.create_with_redis_cli(replicas).await;
+        cluster.wait_ok().await;
+        cluster.wait_replicas_synced().await;
+        cluster.wait_replication_streams().await;
+        cluster
+    }
+
+    async fn start_nodes(count: usize, builder: RedisBuilder) -> RedisCluster {
+        let mut nodes = Vec::with_capacity(count);
+        let mut ids = Vec::with_capacity(count);
+        for _ in 0..count {
+            let node = builder.clone().start().await;
+            let reply = node.client().await.cmd(&["CLUSTER", "MYID"]).await;
+            let id = reply
+                .as_str()
+                .unwrap_or_else(|| panic!("CLUSTER MYID on {}: {reply:?}", node.addr()))
+                .to_string();
+            nodes.push(node);
+            ids.push(id);
+        }
+        RedisCluster { nodes, ids }
+    }
+
+    async fn create_with_redis_cli(&self, replicas: usize) {
         let mut cmd = tokio::process::Command::new(binary(CLI_BIN));
         cmd.args(["--cluster", "create"])
             .args(self.nodes().iter().map(ToString::to_string))
-            .args(["--cluster-replicas", "0", "--cluster-yes"])
+            .args(["--cluster-replicas", &replicas.to_string(), "--cluster-yes"])
             .stdin(Stdio::null())
             .kill_on_drop(true);
         let output = tokio::time::timeout(CLUSTER_READY_TIMEOUT, cmd.output())
@@ -799,36 +1164,124 @@ impl RedisCluster {
         }
     }
 
-    /// Waits until every node says `cluster_state:ok`, knows every other
-    /// node and sees all slots assigned; panics with the last CLUSTER INFO
-    /// otherwise.
+    /// Waits until every running node says `cluster_state:ok`, knows every
+    /// node (a killed node stays known: the cluster only flags it failing),
+    /// sees all slots assigned and all served by nodes it does not consider
+    /// failing; panics with the last CLUSTER INFO otherwise. Stopped nodes are
+    /// not asked.
     pub async fn wait_ok(&self) {
         let deadline = Instant::now() + CLUSTER_READY_TIMEOUT;
+        loop {
+            let Err(why) = self.all_ok().await else {
+                return;
+            };
+            if Instant::now() >= deadline {
+                panic!("cluster not ok after {CLUSTER_READY_TIMEOUT:?}: {why}");
+            }
+            tokio::time::sleep(CLUSTER_POLL).await;
+        }
+    }
+
+    /// `Err` says which running node is not ok, and why.
+    async fn all_ok(&self) -> Result<(), String> {
         let want_nodes = self.nodes.len().to_string();
         let want_slots = CLUSTER_SLOTS.to_string();
+        for (_, node) in self.running() {
+            let addr = node.addr();
+            let info = query(addr, &["CLUSTER", "INFO"])
+                .await
+                .map_err(|e| format!("CLUSTER INFO on {addr}: {e}"))?;
+            let get = |k: &str| {
+                info.lines()
+                    .find_map(|l| l.strip_prefix(k)?.strip_prefix(':'))
+                    .map(str::trim)
+            };
+            let ok = get("cluster_state") == Some("ok")
+                && get("cluster_known_nodes") == Some(want_nodes.as_str())
+                && get("cluster_slots_assigned") == Some(want_slots.as_str())
+                && get("cluster_slots_ok") == Some(want_slots.as_str());
+            if !ok {
+                return Err(format!("node {addr}: {info}"));
+            }
+        }
+        Ok(())
+    }
+
+    /// Waits until every running replica reports `master_link_status:up`.
+    async fn wait_replicas_synced(&self) {
+        let deadline = Instant::now() + CLUSTER_READY_TIMEOUT;
         'poll: loop {
-            for node in &self.nodes {
-                let info = node.client().await.info_map(&["CLUSTER", "INFO"]).await;
-                let get = |k: &str| {
-                    info.iter()
-                        .find(|(key, _)| key == k)
-                        .map(|(_, v)| v.as_str())
-                };
-                let ok = get("cluster_state") == Some("ok")
-                    && get("cluster_known_nodes") == Some(want_nodes.as_str())
-                    && get("cluster_slots_assigned") == Some(want_slots.as_str());
-                if !ok {
+            for (_, node) in self.running() {
+                let addr = node.addr();
+                let info = query(addr, &["INFO", "replication"]).await;
+                let synced = info.as_ref().is_ok_and(|text| {
+                    !text.contains("role:slave") || text.contains("master_link_status:up")
+                });
+                if !synced {
                     if Instant::now() >= deadline {
                         panic!(
-                            "cluster node {} not ok after {CLUSTER_READY_TIMEOUT:?}: {info:?}",
-                            node.addr()
+                            "replica {addr} not synced after {CLUSTER_READY_TIMEOUT:?}: {info:?}"
                         );
                     }
-                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    tokio::time::sleep(CLUSTER_POLL).await;
                     continue 'poll;
                 }
             }
             return;
+        }
+    }
+
+    /// Waits until every master with running replicas gets a write of its
+    /// own acknowledged by all of them (`SET` and `DEL` of a scratch key in
+    /// one of its slots, then `WAIT`). A replica reports its link up as soon
+    /// as the initial (diskless) sync is loaded, but Redis 7.0 holds the
+    /// writes that follow in the master's buffer until the replica's next
+    /// `REPLCONF ACK`, up to a second later: a master killed meanwhile takes
+    /// them along although `INFO` looked ready.
+    async fn wait_replication_streams(&self) {
+        let deadline = Instant::now() + CLUSTER_READY_TIMEOUT;
+        let (_, text) = self.any_cluster_nodes().await;
+        let entries = parse_cluster_nodes(&text);
+        let masters = entries
+            .iter()
+            .filter(|n| n.has_flag("master") && !n.has_flag("fail") && !n.slots.is_empty());
+        for master in masters {
+            let replicas = entries
+                .iter()
+                .filter(|n| {
+                    n.master_id.as_deref() == Some(master.id.as_str())
+                        && !n.has_flag("fail")
+                        && !n.has_flag("fail?")
+                })
+                .count();
+            if replicas == 0 {
+                continue;
+            }
+            let key = (0..)
+                .map(|n| format!("posthorn:harness:replication:{{{n}}}"))
+                .find(|key| master.owns(key_slot(key)))
+                .expect("some tag hashes into the master's slots");
+            let addr = master
+                .addr
+                .unwrap_or_else(|| panic!("master {} without address", master.id));
+            // WAIT counts acknowledgements of this connection's writes only.
+            let mut client = RespClient::connect(addr).await;
+            let want = i64::try_from(replicas).expect("replica count fits i64");
+            loop {
+                let set = client.cmd(&["SET", &key, "1"]).await;
+                assert!(set.is_ok(), "SET {key} on {addr}: {set:?}");
+                client.cmd(&["DEL", &key]).await;
+                let acked = client.cmd(&["WAIT", &replicas.to_string(), "1000"]).await;
+                if acked.as_int().is_some_and(|n| n >= want) {
+                    break;
+                }
+                if Instant::now() >= deadline {
+                    panic!(
+                        "{addr} does not stream writes to its {replicas} replicas after                          {CLUSTER_READY_TIMEOUT:?} (WAIT: {acked:?})\n{}",
+                        self.report().await
+                    );
+                }
+            }
         }
     }
 
@@ -837,6 +1290,7 @@ impl RedisCluster {
         self.nodes[0].url()
     }
 
+    /// Every node's address, by index, whatever its role and state.
     pub fn nodes(&self) -> Vec<SocketAddr> {
         self.nodes.iter().map(RedisServer::addr).collect()
     }
@@ -850,38 +1304,299 @@ impl RedisCluster {
         &mut self.nodes[i]
     }
 
-    /// The node that owns `key`'s slot, per `CLUSTER SLOTS` on the first
-    /// node.
-    pub async fn owner_of(&self, key: &str) -> SocketAddr {
-        let seed = self.nodes[0].addr();
-        let mut client = RespClient::connect(seed).await;
-        let reply = client.cmd(&["CLUSTER", "KEYSLOT", key]).await;
-        let slot = reply
-            .as_int()
-            .unwrap_or_else(|| panic!("CLUSTER KEYSLOT {key} on {seed}: {reply:?}"));
-        let slots = client.cmd(&["CLUSTER", "SLOTS"]).await;
-        let ranges = slots
-            .as_array()
-            .unwrap_or_else(|| panic!("CLUSTER SLOTS on {seed}: {slots:?}"));
-        for range in ranges {
-            let r = range.as_array().expect("CLUSTER SLOTS entry is an array");
-            let (Some(lo), Some(hi)) = (r[0].as_int(), r[1].as_int()) else {
-                panic!("CLUSTER SLOTS entry without a range: {range:?}");
-            };
-            if (lo..=hi).contains(&slot) {
-                let master = r[2].as_array().expect("CLUSTER SLOTS master is an array");
-                let host = master[0].as_str().unwrap_or_default();
-                let ip = if host.is_empty() {
-                    Ipv4Addr::LOCALHOST.into()
-                } else {
-                    host.parse()
-                        .unwrap_or_else(|e| panic!("CLUSTER SLOTS host {host:?}: {e}"))
-                };
-                let port = master[1].as_int().expect("CLUSTER SLOTS port");
-                return SocketAddr::new(ip, u16::try_from(port).expect("port fits u16"));
+    /// The cluster id (`CLUSTER MYID`) of node `i`, as `CLUSTER NODES` shows
+    /// it.
+    pub fn node_id(&self, i: usize) -> &str {
+        &self.ids[i]
+    }
+
+    /// The index of the node listening on `addr`.
+    pub fn index_of(&self, addr: SocketAddr) -> Option<usize> {
+        self.nodes.iter().position(|n| n.addr() == addr)
+    }
+
+    fn running(&self) -> impl Iterator<Item = (usize, &RedisServer)> {
+        self.nodes
+            .iter()
+            .enumerate()
+            .filter(|(_, n)| n.pid().is_some())
+    }
+
+    /// The masters that serve slots, per `CLUSTER NODES` on the first running
+    /// node that answers, in slot order; a master the cluster has flagged
+    /// failed (`fail`) is left out, one only suspected (`fail?`) is not.
+    pub async fn masters(&self) -> Vec<SocketAddr> {
+        let (seed, text) = self.any_cluster_nodes().await;
+        let mut masters: Vec<(u16, SocketAddr)> = parse_cluster_nodes(&text)
+            .into_iter()
+            .filter(|n| n.has_flag("master") && !n.has_flag("fail") && !n.slots.is_empty())
+            .map(|n| {
+                let addr = n
+                    .addr
+                    .unwrap_or_else(|| panic!("master {} without address on {seed}", n.id));
+                (n.slots[0].0, addr)
+            })
+            .collect();
+        masters.sort_unstable();
+        masters.into_iter().map(|(_, addr)| addr).collect()
+    }
+
+    async fn any_cluster_nodes(&self) -> (SocketAddr, String) {
+        let mut errors = Vec::new();
+        for (_, node) in self.running() {
+            match query(node.addr(), &["CLUSTER", "NODES"]).await {
+                Ok(text) => return (node.addr(), text),
+                Err(e) => errors.push(format!("{}: {e}", node.addr())),
             }
         }
-        panic!("slot {slot} of {key} is not assigned: {slots:?}")
+        panic!("no running cluster node answers CLUSTER NODES: {errors:?}")
+    }
+
+    /// The node that masters `key`'s slot, per `CLUSTER SLOTS` on the first
+    /// running node that answers (what a cluster client would be told).
+    pub async fn master_of_slot_of(&self, key: &str) -> SocketAddr {
+        let slot = i64::from(key_slot(key));
+        let mut last_error = None;
+        for (_, node) in self.running() {
+            let seed = node.addr();
+            let slots = match RespClient::try_connect(seed).await {
+                Ok(mut client) => client.try_cmd(&["CLUSTER", "SLOTS"]).await,
+                Err(e) => Err(e),
+            };
+            let slots = match slots {
+                Ok(slots) => slots,
+                Err(e) => {
+                    last_error = Some(format!("{seed}: {e}"));
+                    continue;
+                }
+            };
+            let ranges = slots
+                .as_array()
+                .unwrap_or_else(|| panic!("CLUSTER SLOTS on {seed}: {slots:?}"));
+            for range in ranges {
+                let r = range.as_array().expect("CLUSTER SLOTS entry is an array");
+                let (Some(lo), Some(hi)) = (r[0].as_int(), r[1].as_int()) else {
+                    panic!("CLUSTER SLOTS entry without a range: {range:?}");
+                };
+                if (lo..=hi).contains(&slot) {
+                    let master = r[2].as_array().expect("CLUSTER SLOTS master is an array");
+                    let host = master[0].as_str().unwrap_or_default();
+                    let ip = if host.is_empty() {
+                        Ipv4Addr::LOCALHOST.into()
+                    } else {
+                        host.parse()
+                            .unwrap_or_else(|e| panic!("CLUSTER SLOTS host {host:?}: {e}"))
+                    };
+                    let port = master[1].as_int().expect("CLUSTER SLOTS port");
+                    return SocketAddr::new(ip, u16::try_from(port).expect("port fits u16"));
+                }
+            }
+            panic!("slot {slot} of {key} is not assigned on {seed}: {slots:?}")
+        }
+        panic!("no running cluster node answers CLUSTER SLOTS (last error: {last_error:?})")
+    }
+
+    /// The node that owns `key`'s slot; same as
+    /// [`RedisCluster::master_of_slot_of`].
+    pub async fn owner_of(&self, key: &str) -> SocketAddr {
+        self.master_of_slot_of(key).await
+    }
+
+    /// SIGKILLs the master of `key`'s slot; returns its index, for
+    /// [`RedisCluster::wait_failover`] and [`RedisCluster::restart_node`].
+    pub async fn kill_master_of(&mut self, key: &str) -> usize {
+        let master = self.master_of_slot_of(key).await;
+        let i = self
+            .index_of(master)
+            .unwrap_or_else(|| panic!("master {master} of {key} is not a node of this cluster"));
+        self.nodes[i].kill();
+        i
+    }
+
+    /// Waits until a replica of the killed (or stopped) master `killed` took
+    /// over its slots and every running node agrees: the old master flagged
+    /// `fail` and without slots, the new one serving them, `cluster_state:ok`
+    /// with every slot assigned and served. Returns the new master's index.
+    /// Panics after [`FAILOVER_TIMEOUT`] with every node's CLUSTER NODES.
+    pub async fn wait_failover(&self, killed: usize) -> usize {
+        assert!(
+            self.nodes[killed].pid().is_none(),
+            "node {killed} ({}) is running; kill it first",
+            self.nodes[killed].addr()
+        );
+        // The dead node cannot be asked and the others forget its slots as
+        // soon as a replica claims them: its nodes.conf, saved (and fsynced)
+        // on every configuration change, has its last word.
+        let slots = self.slots_in_nodes_conf(killed);
+        let Some(&(slot, _)) = slots.first() else {
+            panic!("node {killed} owned no slots when it died: nothing to fail over");
+        };
+        let deadline = Instant::now() + FAILOVER_TIMEOUT;
+        loop {
+            let why = match self.failover_state(killed, slot).await {
+                Ok(new_master) => match self.all_ok().await {
+                    Ok(()) => return new_master,
+                    Err(why) => why,
+                },
+                Err(why) => why,
+            };
+            if Instant::now() >= deadline {
+                panic!(
+                    "no failover of node {killed} ({}) after {FAILOVER_TIMEOUT:?}: {why}\n{}",
+                    self.nodes[killed].addr(),
+                    self.report().await
+                );
+            }
+            tokio::time::sleep(CLUSTER_POLL).await;
+        }
+    }
+
+    /// `Ok(index)` of the new master of `slot` once every running node sees
+    /// node `killed` as failed, slotless, and the same other master owning
+    /// `slot`.
+    async fn failover_state(&self, killed: usize, slot: u16) -> Result<usize, String> {
+        let killed_id = &self.ids[killed];
+        let mut owner: Option<&str> = None;
+        for (_, node) in self.running() {
+            let addr = node.addr();
+            let text = query(addr, &["CLUSTER", "NODES"])
+                .await
+                .map_err(|e| format!("CLUSTER NODES on {addr}: {e}"))?;
+            let entries = parse_cluster_nodes(&text);
+            let old = entries
+                .iter()
+                .find(|n| &n.id == killed_id)
+                .ok_or_else(|| format!("{addr} does not know node {killed}"))?;
+            if !old.has_flag("fail") || !old.slots.is_empty() {
+                return Err(format!("{addr} still sees node {killed} as {old:?}"));
+            }
+            let new = entries
+                .iter()
+                .find(|n| n.owns(slot))
+                .ok_or_else(|| format!("{addr} sees slot {slot} unassigned"))?;
+            if !new.has_flag("master") || new.has_flag("fail") || new.has_flag("fail?") {
+                return Err(format!("{addr} sees slot {slot} on {new:?}"));
+            }
+            let new_id = self
+                .ids
+                .iter()
+                .find(|id| **id == new.id)
+                .ok_or_else(|| format!("{addr} sees slot {slot} on a stranger: {new:?}"))?;
+            if owner.is_some_and(|o| o != new_id) {
+                return Err(format!(
+                    "nodes disagree on the master of slot {slot}: {owner:?} and {new_id}"
+                ));
+            }
+            owner = Some(new_id);
+        }
+        let owner = owner.ok_or("no running node")?;
+        Ok(self
+            .ids
+            .iter()
+            .position(|id| id == owner)
+            .expect("owner is one of ids"))
+    }
+
+    /// Starts the killed (or stopped) node `i` again on its port and
+    /// directory and waits until it is back as a replica: it reports
+    /// `role:slave` with `master_link_status:up`, every running node sees it
+    /// as a healthy replica, the cluster is ok and its master streams writes
+    /// to it (see [`RedisCluster::start_with_replicas`]). A failed-over master
+    /// rejoins as a replica of the master that replaced it; without AOF it
+    /// comes back empty and resyncs in full. Panics if it comes back as the
+    /// master of slots (it was a master restarted before
+    /// [`RedisCluster::wait_failover`] saw its replica take over: use
+    /// [`RedisServer::start_again`] and [`RedisCluster::wait_ok`] for that).
+    pub async fn restart_node(&mut self, i: usize) {
+        self.nodes[i].start_again().await;
+        let deadline = Instant::now() + FAILOVER_TIMEOUT;
+        loop {
+            let why = match self.rejoined_as_replica(i).await {
+                Ok(()) => match self.all_ok().await {
+                    Ok(()) => break,
+                    Err(why) => why,
+                },
+                Err(why) => why,
+            };
+            if Instant::now() >= deadline {
+                panic!(
+                    "node {i} ({}) not back as a replica after {FAILOVER_TIMEOUT:?}: {why}\n{}",
+                    self.nodes[i].addr(),
+                    self.report().await
+                );
+            }
+            tokio::time::sleep(CLUSTER_POLL).await;
+        }
+        self.wait_replication_streams().await;
+    }
+
+    async fn rejoined_as_replica(&self, i: usize) -> Result<(), String> {
+        let addr = self.nodes[i].addr();
+        let id = &self.ids[i];
+        for (j, node) in self.running() {
+            let seen_from = node.addr();
+            let text = query(seen_from, &["CLUSTER", "NODES"])
+                .await
+                .map_err(|e| format!("CLUSTER NODES on {seen_from}: {e}"))?;
+            let entry = parse_cluster_nodes(&text)
+                .into_iter()
+                .find(|n| &n.id == id)
+                .ok_or_else(|| format!("{seen_from} does not know node {i}"))?;
+            // The others keep the slots of a master that was never replaced:
+            // waiting would not change that.
+            if j != i && !entry.slots.is_empty() {
+                panic!(
+                    "node {i} ({addr}) is back as the master of {:?}: no replica took over \
+                     before it restarted\n{}",
+                    entry.slots,
+                    self.report().await
+                );
+            }
+            if !entry.has_flag("slave") || entry.has_flag("fail") || entry.has_flag("fail?") {
+                return Err(format!("{seen_from} sees node {i} as {entry:?}"));
+            }
+        }
+        let info = query(addr, &["INFO", "replication"])
+            .await
+            .map_err(|e| format!("INFO replication on {addr}: {e}"))?;
+        if !info.contains("role:slave") || !info.contains("master_link_status:up") {
+            return Err(format!("node {i} ({addr}): {info}"));
+        }
+        Ok(())
+    }
+
+    /// The slot ranges node `i` last claimed for itself in its `nodes.conf`
+    /// (same line format as CLUSTER NODES, plus a `vars` line).
+    fn slots_in_nodes_conf(&self, i: usize) -> Vec<(u16, u16)> {
+        let path = self.nodes[i].dir().join("nodes.conf");
+        let text = std::fs::read_to_string(&path)
+            .unwrap_or_else(|e| panic!("read {}: {e}", path.display()));
+        parse_cluster_nodes(&text)
+            .into_iter()
+            .find(|n| n.has_flag("myself"))
+            .unwrap_or_else(|| panic!("no `myself` line in {}:\n{text}", path.display()))
+            .slots
+    }
+
+    /// CLUSTER NODES as seen by every running node, for failure messages.
+    async fn report(&self) -> String {
+        let mut out = String::new();
+        for (i, node) in self.nodes.iter().enumerate() {
+            let addr = node.addr();
+            let state = if node.pid().is_none() {
+                "stopped".to_string()
+            } else {
+                match query(addr, &["CLUSTER", "NODES"]).await {
+                    Ok(text) => format!("CLUSTER NODES:\n{text}"),
+                    Err(e) => format!("CLUSTER NODES failed: {e}"),
+                }
+            };
+            out.push_str(&format!(
+                "--- node {i} {addr} id {}: {state}\n",
+                self.ids[i]
+            ));
+        }
+        out
     }
 
     /// A connection to the node owning `key`.
@@ -907,10 +1622,93 @@ impl RedisCluster {
         expect_id(&reply, format_args!("the cluster, key {key}"))
     }
 
-    /// `FLUSHALL` on every node (each only holds its own slots' keys).
+    /// `FLUSHALL` on every master (each only holds its own slots' keys;
+    /// replicas follow, and refuse writes themselves).
     pub async fn flushall(&self) {
-        for node in &self.nodes {
-            node.client().await.flushall().await;
+        for master in self.masters().await {
+            RespClient::connect(master).await.flushall().await;
         }
     }
+}
+
+/// One short command whose reply is text (CLUSTER INFO, CLUSTER NODES,
+/// INFO): `Err` on I/O errors, timeouts and error replies, so polling loops
+/// can retry.
+async fn query(addr: SocketAddr, args: &[&str]) -> Result<String, String> {
+    let mut client = RespClient::try_connect_within(addr, PROBE_TIMEOUT)
+        .await
+        .map_err(|e| e.to_string())?;
+    let reply = client
+        .try_cmd_within(args, PROBE_TIMEOUT)
+        .await
+        .map_err(|e| e.to_string())?;
+    match reply.as_str() {
+        Some(text) => Ok(text.to_string()),
+        None => Err(format!("{reply:?}")),
+    }
+}
+
+/// One node as a line of CLUSTER NODES or `nodes.conf` describes it:
+/// `id ip:port@bus[,hostname] flags master-id ping pong epoch link slot...`.
+#[derive(Debug, Clone)]
+struct ClusterNodeEntry {
+    id: String,
+    /// `None` for a node whose address is not known yet (`:0@0`).
+    addr: Option<SocketAddr>,
+    flags: Vec<String>,
+    /// The master of a replica (`-` for a master).
+    master_id: Option<String>,
+    slots: Vec<(u16, u16)>,
+}
+
+impl ClusterNodeEntry {
+    /// `flag` exactly: `fail` (agreed) is not `fail?` (suspected).
+    fn has_flag(&self, flag: &str) -> bool {
+        self.flags.iter().any(|f| f == flag)
+    }
+
+    fn owns(&self, slot: u16) -> bool {
+        self.slots.iter().any(|&(lo, hi)| (lo..=hi).contains(&slot))
+    }
+}
+
+fn parse_cluster_nodes(text: &str) -> Vec<ClusterNodeEntry> {
+    text.lines()
+        .filter(|l| !l.trim().is_empty() && !l.starts_with("vars "))
+        .map(|line| {
+            let words: Vec<&str> = line.split_whitespace().collect();
+            assert!(words.len() >= 8, "short CLUSTER NODES line {line:?}");
+            let endpoint = words[1].split(['@', ',']).next().unwrap_or_default();
+            let addr = endpoint.rsplit_once(':').and_then(|(host, port)| {
+                let port: u16 = port.parse().ok().filter(|&p| p != 0)?;
+                let ip = if host.is_empty() {
+                    Ipv4Addr::LOCALHOST.into()
+                } else {
+                    host.parse().ok()?
+                };
+                Some(SocketAddr::new(ip, port))
+            });
+            // Slots being imported or migrated show as `[slot->-id]` and
+            // `[slot-<-id]`; only owned ranges matter here.
+            let slots = words[8..]
+                .iter()
+                .filter(|w| !w.starts_with('['))
+                .map(|w| {
+                    let (lo, hi) = w.split_once('-').unwrap_or((w, w));
+                    let parse = |s: &str| -> u16 {
+                        s.parse()
+                            .unwrap_or_else(|_| panic!("bad slot {w:?} in {line:?}"))
+                    };
+                    (parse(lo), parse(hi))
+                })
+                .collect();
+            ClusterNodeEntry {
+                id: words[0].to_string(),
+                addr,
+                flags: words[2].split(',').map(str::to_string).collect(),
+                master_id: (words[3] != "-").then(|| words[3].to_string()),
+                slots,
+            }
+        })
+        .collect()
 }
