@@ -1,13 +1,13 @@
-//! Every metric of SPEC 8, in one struct registered into a registry that is passed in (tests build
+//! Every metric (docs/metrics.md), in one struct registered into a registry that is passed in (tests build
 //! their own). Label values come from enums ([`CloseReason`], [`ResyncReason`], ...), never from
 //! device ids, so cardinality is fixed. Hot-path counters are resolved to their label once.
 
 use prometheus::{
-    Encoder, Gauge, GaugeVec, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
-    Opts, Registry, TextEncoder,
+    Encoder, Gauge, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec,
+    IntGauge, Opts, Registry, TextEncoder,
 };
 
-use crate::actors::close_reason::{CloseReason, ResyncReason};
+use crate::{actors::close_reason::CloseReason, model::ResyncReason};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum RouteResult {
@@ -68,6 +68,10 @@ pub struct Metrics {
     pub sse_heartbeats_sent: IntCounter,
     pub sse_replayed_events: IntCounter,
     sse_resyncs: IntCounterVec,
+    pub replay_entries_read: IntCounter,
+    pub replays_in_flight: IntGauge,
+    pub replays_waiting: IntGauge,
+    pub replay_duration_seconds: Histogram,
     tail_lag_seconds: GaugeVec,
     tail_reconnects: IntCounterVec,
     tail_batch_events: HistogramVec,
@@ -120,7 +124,8 @@ impl Metrics {
         let sse_resyncs = counter_vec(
             r,
             "sse_resyncs_total",
-            "resync events sent instead of a replay, by reason (expired, invalid, data_lost)",
+            "resync events written to clients, by reason (expired, invalid, data_lost): on resume, \
+             and when a tail finds a loss",
             "reason",
         );
         for reason in ResyncReason::ALL {
@@ -175,6 +180,16 @@ impl Metrics {
         .expect("metric names are static and valid");
         r.register(Box::new(tail_batch_events.clone()))
             .expect("each metric is registered once");
+        let replay_duration_seconds = Histogram::with_opts(
+            HistogramOpts::new(
+                "replay_duration_seconds",
+                "time from a resumed stream's open to the end of its replay, waiting included",
+            )
+            .buckets(vec![0.005, 0.02, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]),
+        )
+        .expect("metric names are static and valid");
+        r.register(Box::new(replay_duration_seconds.clone()))
+            .expect("each metric is registered once");
         let drain_duration_seconds = Gauge::new(
             "drain_duration_seconds",
             "duration of the last completed drain (0 before any drain)",
@@ -220,6 +235,18 @@ impl Metrics {
                 "events replayed after a Last-Event-ID",
             ),
             sse_resyncs,
+            replay_entries_read: counter(
+                r,
+                "replay_entries_read_total",
+                "stream entries replays read from the backend, for any device of the shard",
+            ),
+            replays_in_flight: gauge(r, "replays_in_flight", "replays running now"),
+            replays_waiting: gauge(
+                r,
+                "replays_waiting",
+                "resumed streams waiting for a replay slot (replay.max_concurrent)",
+            ),
+            replay_duration_seconds,
             tail_lag_seconds,
             tail_reconnects,
             tail_batch_events,

@@ -470,6 +470,7 @@ async fn replay_after(
     .await?;
     loop {
         let page = backend.read_after(shard, after, REPLAY_PAGE).await?;
+        metrics.replay_entries_read.inc_by(page.read as u64);
         if page.epoch != epoch {
             // Lost while replaying: the client moves to the start of the new life, whose events
             // all follow (a tail that finds the same loss sends the same resync, which the body
