@@ -2,14 +2,33 @@
 //! outcome, every device's observations in the order the device processed them, and the faults
 //! injected. The checker (`checker.rs`) is a pure function of a [`History`].
 //!
-//! Times are microseconds since the start of the run ([`Micros`]).
+//! Times are microseconds since the start of the run ([`Micros`]), taken from one [`Clock`].
 
 use std::fmt;
+use std::time::Instant;
 
 use serde::Serialize;
 
 /// Microseconds since the start of the run.
 pub type Micros = u64;
+
+/// The run's time base, shared by every task that records.
+#[derive(Debug, Clone, Copy)]
+pub struct Clock {
+    start: Instant,
+}
+
+impl Clock {
+    pub fn start() -> Self {
+        Self {
+            start: Instant::now(),
+        }
+    }
+
+    pub fn now(&self) -> Micros {
+        self.start.elapsed().as_micros() as Micros
+    }
+}
 
 /// `m:ss.mmm` for reports.
 pub fn show_time(at: Micros) -> String {
