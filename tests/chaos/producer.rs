@@ -451,3 +451,70 @@ pub async fn nats_external(
             .await;
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn item(index: usize) -> Item {
+        Item {
+            index,
+            body: json!({}),
+            done: None,
+            maybe: false,
+            tries: 1,
+            answers: Vec::new(),
+        }
+    }
+
+    fn response(status: u16, body: Value) -> http::HttpResponse {
+        http::HttpResponse {
+            status,
+            headers: Vec::new(),
+            body: serde_json::to_vec(&body).unwrap(),
+        }
+    }
+
+    /// A 207 acknowledges the items with an id and leaves those with an error open (not
+    /// appended: they are retried); results are matched to the items sent, in order.
+    #[test]
+    fn partial_answers_acknowledge_item_by_item() {
+        let mut items = vec![item(0), item(1), item(2)];
+        items[0].done = Some(Outcome::Failed);
+        let answer = response(
+            207,
+            json!({"results": [
+                {"id": "e1.3.17-0", "duplicate": false},
+                {"error": "backend_unavailable", "message": "group 1 failed"},
+            ]}),
+        );
+        take_results("nginx", &answer, &[1, 2], &mut items);
+        assert_eq!(
+            items[1].done,
+            Some(Outcome::Acked {
+                id: EventId::parse("e1.3.17-0").unwrap(),
+                duplicate: false
+            })
+        );
+        assert_eq!(items[2].done, None);
+        assert!(!items[2].maybe, "an item error means not appended");
+        assert_eq!(
+            items[0].done,
+            Some(Outcome::Failed),
+            "not sent, not touched"
+        );
+    }
+
+    /// An answer that does not match the items sent leaves all of them possibly appended.
+    #[test]
+    fn an_unreadable_answer_makes_every_outcome_unknown() {
+        let mut items = vec![item(0), item(1)];
+        let answer = response(201, json!({"results": [{"id": "e1.3.17-0"}]}));
+        take_results("hub0", &answer, &[0, 1], &mut items);
+        assert!(items.iter().all(|i| i.done.is_none() && i.maybe));
+        let mut items = vec![item(0)];
+        let answer = response(201, json!({"results": [{"id": 5}]}));
+        take_results("hub0", &answer, &[0], &mut items);
+        assert!(items[0].done.is_none() && items[0].maybe);
+    }
+}
