@@ -23,9 +23,10 @@
 //! - `UnexpectedResync`: a resync with reason `invalid` (the clients only send real cursors).
 //!
 //! Each violation is attributed to a fault: one visible on an event to the last fault injected
-//! before the device processed it; a gap to the first fault injected after the device last
-//! received a token of that series before the gap (the series stopped progressing there), or,
-//! if none came before the gap was seen, to the last fault before it.
+//! before the device processed it; a gap to the first fault injected after the publish of the
+//! last token of that series the device received before the gap (the series stopped
+//! progressing there; publish time, because a lagging reader processes it much later), or, if
+//! none came before the gap was seen, to the last fault before it.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt::Write as _;
@@ -53,11 +54,13 @@ pub struct Violation {
     pub device: String,
     /// When it became visible (a gap at the end: when the first missing token was acknowledged).
     pub at: Micros,
-    /// The span in which it arose: an event's violation at once; a gap between the last token
-    /// of its series the device received before it and the next one it received (or the end of
-    /// the run). It is attributed to the first fault injected in that span, or else to the last
-    /// fault before it.
+    /// The span in which it arose: an event's violation at once; a gap from the publish of the
+    /// last token of its series the device received before it to the processing of the next one
+    /// (or the end of the run). It is attributed to the first fault injected in that span, or
+    /// else to the last fault before it.
     pub window: (Micros, Micros),
+    /// The fault it is attributed to (a fault kind's label, or [`NO_FAULT`]).
+    pub fault: String,
     /// The device's segment (0-based) it happened in.
     pub segment: usize,
     /// The observation that started that segment, if any.
@@ -177,11 +180,12 @@ impl Report {
         for v in &self.violations {
             let _ = writeln!(
                 out,
-                "  {:?} {} at {} (seg {}): {}",
+                "  {:?} {} at {} (seg {}, after {}): {}",
                 v.kind,
                 v.device,
                 show_time(v.at),
                 v.segment,
+                v.fault,
                 v.detail
             );
         }
@@ -216,7 +220,7 @@ impl Report {
             .map(|v| {
                 serde_json::json!({
                     "kind": v.kind, "device": v.device, "at_ms": v.at / 1000,
-                    "tokens": v.tokens.len(), "detail": v.detail,
+                    "fault": v.fault, "tokens": v.tokens.len(), "detail": v.detail,
                 })
             })
             .collect();
@@ -379,9 +383,9 @@ pub fn check(history: &History) -> Report {
         }
     }
     violations.sort_by(|a, b| (a.at, &a.device).cmp(&(b.at, &b.device)));
-    for v in &violations {
-        let label = buckets.cause(v.window).to_string();
-        *acc.stats(&label).violations.entry(v.kind).or_default() += 1;
+    for v in &mut violations {
+        v.fault = buckets.cause(v.window).to_string();
+        *acc.stats(&v.fault).violations.entry(v.kind).or_default() += 1;
     }
     // The time before the first fault, then the kinds in the order they were first injected.
     let mut order: Vec<String> = vec![NO_FAULT.to_string()];
@@ -471,6 +475,7 @@ fn walk(
                 device: device.device.clone(),
                 at,
                 window: (at, at),
+                fault: String::new(),
                 segment,
                 segment_start,
                 observation: Some(i),
@@ -644,13 +649,15 @@ fn gaps_within(
             }
             for (next, missing) in groups {
                 let (next_n, next_obs, next_at) = got[next];
-                let (prev_n, _, prev_at) = got[next - 1];
+                let prev_n = got[next - 1].0;
+                let since = published(index, series, prev_n).unwrap_or(seg.start);
                 let tokens: Vec<Token> = missing.iter().map(|&n| token_of(series, n)).collect();
                 violations.push(Violation {
                     kind: ViolationKind::Gap,
                     device: device.device.clone(),
                     at: next_at,
-                    window: (prev_at.min(next_at), next_at),
+                    window: (since.min(next_at), next_at),
+                    fault: String::new(),
                     segment: s,
                     segment_start: seg.start_obs,
                     observation: Some(next_obs),
@@ -727,12 +734,14 @@ fn gaps_at_end(
         }
         for run in runs {
             let tokens: Vec<Token> = run.iter().map(|a| a.token.clone()).collect();
-            // Since the last token of the series received before the run, or the segment start.
+            // Since the last token of the series received before the run was published, or the
+            // segment start.
             let since = received
                 .iter()
-                .filter(|r| r.0 < run[0].token.n)
-                .map(|r| r.2)
+                .map(|r| r.0)
+                .filter(|&n| n < run[0].token.n)
                 .max()
+                .and_then(|n| published(index, &series, n))
                 .unwrap_or(seg.start);
             let why = match first {
                 Some(f) => format!(
@@ -749,6 +758,7 @@ fn gaps_at_end(
                 device: device.device.clone(),
                 at: run[0].finished,
                 window: (since, ended.max(since)),
+                fault: String::new(),
                 segment: s,
                 segment_start: seg.start_obs,
                 observation: None,
@@ -761,6 +771,14 @@ fn gaps_at_end(
             });
         }
     }
+}
+
+/// When the publish of token `n` of `series` started.
+fn published(index: &Index, series: &Series, n: u64) -> Option<Micros> {
+    index
+        .attempts
+        .get(&token_of(series, n))
+        .map(|attempt| attempt.started)
 }
 
 fn token_of(series: &Series, n: u64) -> Token {
@@ -821,11 +839,12 @@ pub fn explain(history: &History, v: &Violation) -> String {
     let (behaviour, shard) = device.map_or(("?", 0), |d| (d.behaviour.as_str(), d.shard));
     let _ = writeln!(
         out,
-        "--- {:?} on {} ({behaviour}, shard {shard}) at {}, segment {}: {}",
+        "--- {:?} on {} ({behaviour}, shard {shard}) at {}, segment {}, after {}: {}",
         v.kind,
         v.device,
         show_time(v.at),
         v.segment,
+        v.fault,
         v.detail
     );
     let window_start = v.at.saturating_sub(15_000_000);
