@@ -7,7 +7,7 @@
 use std::fmt;
 use std::time::Instant;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 /// Microseconds since the start of the run.
 pub type Micros = u64;
@@ -37,7 +37,9 @@ pub fn show_time(at: Micros) -> String {
 }
 
 /// A position within a shard: `ms-seq` (NATS: `0-sequence`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize,
+)]
 pub struct Pos {
     pub ms: u64,
     pub seq: u64,
@@ -61,7 +63,7 @@ impl fmt::Display for Pos {
 
 /// An SSE id `{epoch}.{shard}.{ms}-{seq}`, or what an external producer learnt of it (Redis XADD
 /// and a JetStream ack name the position but not the hub's epoch).
-#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct EventId {
     pub epoch: Option<String>,
     pub shard: u32,
@@ -97,7 +99,7 @@ impl fmt::Display for EventId {
 
 /// The sequentially published series a token belongs to: the unicasts of one device, or the
 /// broadcasts.
-#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 pub enum Series {
     Unicast(String),
     Broadcast,
@@ -114,7 +116,7 @@ impl fmt::Display for Series {
 
 /// The unique token an event carries in its `data` (`u:<device>:<n>` or `b:<n>`, optionally
 /// followed by `|` and padding). Within a series, `n` counts up from 1 in publishing order.
-#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 pub struct Token {
     pub series: Series,
     pub n: u64,
@@ -160,7 +162,7 @@ impl fmt::Display for Token {
 }
 
 /// How a token was published.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Via {
     /// `POST /v1/events` (through nginx or straight to a hub), always with an idempotency key.
     Http,
@@ -172,7 +174,7 @@ pub enum Via {
 }
 
 /// What the producer was finally told about one token.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Outcome {
     /// Appended; `id` is the id the hub (or Redis/JetStream) answered.
     Acked { id: EventId, duplicate: bool },
@@ -183,7 +185,7 @@ pub enum Outcome {
 }
 
 /// One token's publish: all tries until a definite answer or the deadline.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Attempt {
     pub token: Token,
     pub via: Via,
@@ -208,7 +210,7 @@ impl Attempt {
 
 /// Something a device saw or did, in the order it processed them. `conn` numbers the device's
 /// connections (1, 2, ...).
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Observation {
     /// A stream request was answered (`status`) or failed before an answer (`None`).
     Connected {
@@ -234,7 +236,7 @@ pub enum Observation {
     Closed { conn: u32, why: String },
 }
 
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Observed {
     pub at: Micros,
     pub what: Observation,
@@ -277,7 +279,7 @@ impl fmt::Display for Observed {
 }
 
 /// Everything one device processed.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct DeviceHistory {
     pub device: String,
     pub shard: u32,
@@ -287,7 +289,7 @@ pub struct DeviceHistory {
 }
 
 /// One injected fault.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct FaultRecord {
     /// The fault kind's label (`FaultKind::label`).
     pub kind: String,
@@ -298,7 +300,7 @@ pub struct FaultRecord {
 }
 
 /// A whole run.
-#[derive(Clone, Debug, Default, Serialize)]
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct History {
     pub seed: u64,
     pub backend: String,

@@ -15,7 +15,9 @@
 //! Each run prints a human summary (per fault kind: faults injected, resyncs seen after it,
 //! events checked, violations by kind; then each violation with the device's history around
 //! it) and one JSON line starting with `{"chaos":`. A seed replays the same schedule, device
-//! behaviours and publishing pattern; process timing differs from run to run.
+//! behaviours and publishing pattern; process timing differs from run to run. A run with
+//! violations (or any run with `POSTHORN_CHAOS_HISTORY_DIR` set) writes its whole history as
+//! JSON; `recheck` (ignored) checks such a file again.
 
 #[path = "../support/mod.rs"]
 mod support;
@@ -155,6 +157,22 @@ fn short_run_nats() {
         &result,
         "cargo test --test chaos short_run_nats -- --nocapture".into(),
     )]);
+}
+
+/// Checks a history written by an earlier run again (after a change to the checker, or to read
+/// its report): `POSTHORN_CHAOS_RECHECK=/tmp/posthorn-chaos-....json cargo test --test chaos
+/// recheck -- --ignored --nocapture`.
+#[test]
+#[ignore = "needs POSTHORN_CHAOS_RECHECK=<history.json>"]
+fn recheck() {
+    let path = std::env::var("POSTHORN_CHAOS_RECHECK")
+        .expect("POSTHORN_CHAOS_RECHECK names a history file written by a chaos run");
+    let bytes = std::fs::read(&path).unwrap_or_else(|e| panic!("read {path}: {e}"));
+    let history: history::History =
+        serde_json::from_slice(&bytes).unwrap_or_else(|e| panic!("{path} is no history: {e}"));
+    let report = checker::check(&history);
+    println!("{}", report.summary(&history, 6).trim_end());
+    println!("{}", report.json_line());
 }
 
 #[test]
