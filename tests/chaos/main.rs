@@ -4,9 +4,9 @@
 //! what the producers were told. The promise it checks: every event of a device once and in
 //! order, or an explicit `resync` before anything after the gap.
 //!
-//! - `short_run_redis`, `short_run_nats`: fixed seeds, about a minute and 40 s; they assert
-//!   that there is no violation. Run both with
-//!   `cargo test --test chaos short_run -- --nocapture` (they take turns).
+//! - `short_run_redis`, `short_run_nats`: fixed seeds, about 40 s and 25 s (a quiet period of
+//!   up to 10 s more when devices miss events); they assert that there is no violation. Run
+//!   both with `cargo test --test chaos short_run -- --nocapture` (they take turns).
 //! - `long_run` (ignored): `POSTHORN_CHAOS_MINUTES` (default 10), `POSTHORN_CHAOS_SEED`
 //!   (default: drawn from the clock), `POSTHORN_CHAOS_BACKEND` (`redis`, `nats` or `both`,
 //!   the default, which splits the minutes):
