@@ -190,6 +190,8 @@ pub struct NatsConfig {
     pub subject_prefix: String,
     pub retention: Duration,
     pub shards: u32,
+    /// Replicas of the stream when the hub creates it (in a JetStream cluster: 3 or 5).
+    pub replicas: usize,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -397,9 +399,16 @@ impl Config {
             subject_prefix: raw.nats.subject_prefix,
             retention: duration("nats.retention", &raw.nats.retention)?,
             shards: shards("nats.shards", raw.nats.shards)?,
+            replicas: int_in("nats.replicas", raw.nats.replicas, 1, 5)?,
         };
-        if nats.url.trim().is_empty() {
-            return Err(invalid("nats.url", "must not be empty (got \"\")"));
+        if nats.url.split(',').any(|url| url.trim().is_empty()) {
+            return Err(invalid(
+                "nats.url",
+                format!(
+                    "must be one URL or several separated by commas (got {:?})",
+                    nats.url
+                ),
+            ));
         }
         name_chars("nats.stream", &nats.stream, "A-Za-z0-9_-", |c| {
             c.is_ascii_alphanumeric() || matches!(c, '_' | '-')
@@ -652,11 +661,12 @@ impl Config {
                 "max_len": self.redis.max_len,
             },
             "nats": {
-                "url": redact_url(&self.nats.url),
+                "url": self.nats.url.split(',').map(redact_url).collect::<Vec<_>>().join(","),
                 "stream": self.nats.stream,
                 "subject_prefix": self.nats.subject_prefix,
                 "retention": d(self.nats.retention),
                 "shards": self.nats.shards,
+                "replicas": self.nats.replicas,
             },
             "sse": {
                 "queue_limit": self.sse.queue_limit,

@@ -118,6 +118,7 @@ pub struct RawNats {
     pub subject_prefix: String,
     pub retention: String,
     pub shards: i64,
+    pub replicas: i64,
 }
 
 impl Default for RawNats {
@@ -128,6 +129,7 @@ impl Default for RawNats {
             subject_prefix: "posthorn.ev".into(),
             retention: "15m".into(),
             shards: 64,
+            replicas: 1,
         }
     }
 }

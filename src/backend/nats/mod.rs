@@ -137,7 +137,7 @@ impl NatsBackend {
                     other => log::warn!("nats: {other}"),
                 }
             })
-            .connect(settings.nats.url.as_str())
+            .connect(server_addrs(&settings.nats.url)?)
             .await
             .map_err(|error| unavailable("cannot connect", error))?;
         let jetstream = jetstream::ContextBuilder::new()
@@ -161,6 +161,21 @@ impl NatsBackend {
     }
 }
 
+/// The servers of `nats.url`: one URL, or several separated by commas (the nodes of one
+/// cluster; the client also learns the others from the first server it reaches).
+fn server_addrs(urls: &str) -> BackendResult<Vec<async_nats::ServerAddr>> {
+    urls.split(',')
+        .map(|url| {
+            url.trim().parse().map_err(|error| {
+                BackendError::Rejected(format!(
+                    "nats.url: {:?} is not a server URL: {error}",
+                    url.trim()
+                ))
+            })
+        })
+        .collect()
+}
+
 /// The stream posthorn needs (SPEC 3).
 fn wanted_stream(layout: &Layout, settings: &NatsSettings) -> stream::Config {
     stream::Config {
@@ -170,6 +185,7 @@ fn wanted_stream(layout: &Layout, settings: &NatsSettings) -> stream::Config {
         duplicate_window: settings.dedupe_window,
         storage: StorageType::File,
         retention: RetentionPolicy::Limits,
+        num_replicas: settings.nats.replicas,
         description: Some("posthorn events: one subject per shard (SPEC 3)".into()),
         ..Default::default()
     }
