@@ -850,3 +850,52 @@ async fn a_lost_epoch_marker_gives_data_lost() {
     let mut back = resume(&hub, "pos-4", &cursor).await;
     assert_eq!(resync_reason(&back.expect_event(WAIT).await), "data_lost");
 }
+
+/// Bug pinned (found by the chaos checker, seed 7 of `redis-rdb`): a restart from a snapshot
+/// taken before a DEL brought back a life of the stream that the pods had already left; the
+/// tail took it for a new life, resynced clients to its start and sent its old events again,
+/// and a cursor of that old life resumed as if nothing had happened. Now the pods remember the
+/// lives they left: the stream gets a new life, connected clients get `data_lost` and then only
+/// new events, and the old life's cursor gets `data_lost` too.
+#[tokio::test]
+async fn a_restart_from_a_snapshot_older_than_a_loss_gives_data_lost() {
+    let mut redis = RedisServer::start().await;
+    let hub = redis_hub(&redis.url()).start().await;
+    let mut connected = live_stream(&hub, "pos-6").await;
+    let old_life = publish_to(&hub, "pos-6", "before 1").await;
+    let mut admin = redis.client().await;
+    assert!(admin.cmd(&["SAVE"]).await.is_ok());
+    let snapshot = redis.dir().join("older.rdb");
+    std::fs::copy(redis.dir().join("dump.rdb"), &snapshot).expect("copy the snapshot");
+    publish_to(&hub, "pos-6", "before 2").await;
+    connected.expect_events(2, WAIT).await;
+    let key = format!("pos-ev:{}", crc_shard("pos-6", 64));
+    assert_eq!(admin.cmd(&["DEL", &key]).await.as_int(), Some(1));
+    publish_to(&hub, "pos-6", "second life").await;
+    assert_eq!(
+        resync_reason(&expect_resync(&mut connected).await),
+        "data_lost"
+    );
+    assert_eq!(connected.expect_event(WAIT).await.data, "second life");
+
+    redis.stop().await;
+    std::fs::copy(&snapshot, redis.dir().join("dump.rdb")).expect("restore the snapshot");
+    redis.start_again().await;
+    let resync = connected.expect_event(WAIT).await;
+    assert_eq!(resync_reason(&resync), "data_lost");
+    let epoch = |id: &str| id.split('.').next().unwrap().to_string();
+    assert_ne!(
+        epoch(resync.id.as_deref().unwrap()),
+        epoch(&old_life),
+        "the old life does not come back"
+    );
+    publish_to(&hub, "pos-6", "third life").await;
+    assert_eq!(
+        connected.expect_event(WAIT).await.data,
+        "third life",
+        "nothing of the old life is sent again"
+    );
+    drop(connected);
+    let mut back = resume(&hub, "pos-6", &old_life).await;
+    assert_eq!(resync_reason(&back.expect_event(WAIT).await), "data_lost");
+}

@@ -28,6 +28,7 @@ mod scripts;
 mod tail;
 
 use std::{
+    collections::VecDeque,
     ops::Range,
     sync::{Arc, Mutex},
     time::Duration,
@@ -99,35 +100,59 @@ struct Inner {
 
 /// Per shard, the newest position this pod knows was stored, and in which life: what it appended
 /// and what its tail read. If a check later finds it neither stored nor trimmed, the stream went
-/// back in time.
+/// back in time. Also the lives this pod has seen end: a stream that shows one of them again
+/// went back to data older than a loss (a restart from a snapshot taken before a DEL or a
+/// FLUSHALL), which loses everything of the lives after it.
 #[derive(Default)]
-struct Watermarks(Mutex<Vec<Option<(Epoch, Position)>>>);
+struct Watermarks(Mutex<Vec<ShardMarks>>);
+
+#[derive(Default, Clone)]
+struct ShardMarks {
+    newest: Option<(Epoch, Position)>,
+    /// Lives that ended, newest last (a few: older ones are unlikely to come back).
+    ended: VecDeque<Epoch>,
+}
+
+/// How many ended lives a pod remembers per shard.
+const ENDED_LIVES: usize = 8;
 
 impl Watermarks {
     fn new(shards: u32) -> Self {
-        Self(Mutex::new(vec![None; shards as usize]))
+        Self(Mutex::new(vec![ShardMarks::default(); shards as usize]))
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Option<(Epoch, Position)>>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<ShardMarks>> {
         self.0
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
     /// Records that `position` of life `epoch` is stored on `shard`; a newer life replaces an
-    /// older one.
+    /// older one, which this pod then remembers as ended.
     fn saw(&self, shard: u32, epoch: &Epoch, position: Position) {
         let mut marks = self.lock();
-        let mark = &mut marks[shard as usize];
-        match mark {
+        let marks = &mut marks[shard as usize];
+        match &mut marks.newest {
             Some((known, newest)) if known == epoch => *newest = (*newest).max(position),
-            _ => *mark = Some((epoch.clone(), position)),
+            newest => {
+                if let Some((ended, _)) = newest.replace((epoch.clone(), position)) {
+                    if marks.ended.len() == ENDED_LIVES {
+                        marks.ended.pop_front();
+                    }
+                    marks.ended.push_back(ended);
+                }
+            }
         }
     }
 
-    /// The position to look for on `shard` if the stream is (still) in life `epoch`.
+    /// The position to look for on `shard` if the stream is (still) in its life.
     fn of(&self, shard: u32) -> Option<(Epoch, Position)> {
-        self.lock()[shard as usize].clone()
+        self.lock()[shard as usize].newest.clone()
+    }
+
+    /// Whether this pod has seen life `epoch` of `shard` end.
+    fn ended(&self, shard: u32, epoch: &Epoch) -> bool {
+        self.lock()[shard as usize].ended.contains(epoch)
     }
 }
 
@@ -362,23 +387,37 @@ impl Inner {
         let mut checks = Vec::with_capacity(shards.len());
         for ((row, shard), mark) in rows.iter().zip(shards).zip(marks) {
             let (mut check, mark_found) = parse_check(*shard, row)?;
-            if let Some((epoch, position)) = mark {
-                if epoch == check.epoch
-                    && mark_found == Some(false)
-                    && position > check.trimmed_through
+            let lost = match mark {
+                _ if self.watermarks.ended(*shard, &check.epoch) => {
+                    log::warn!(
+                        "redis stream {} is back in a life that had ended (a restart from data \
+                         older than a loss): a new life begins",
+                        self.layout.stream_key(*shard)
+                    );
+                    Some(None)
+                }
+                Some((epoch, position))
+                    if epoch == check.epoch
+                        && mark_found == Some(false)
+                        && position > check.trimmed_through =>
                 {
                     log::warn!(
                         "redis stream {} lost position {position} it had stored (a restart from \
                          older data or a failover to a lagging replica): a new life begins",
                         self.layout.stream_key(*shard)
                     );
-                    let (epoch, start) =
-                        self.start_new_life(group, *shard, &epoch, position).await?;
-                    check.epoch = epoch;
-                    check.start = start;
-                    // The cursor was judged against the old life; the epoch alone now decides.
-                    check.cursor_found = None;
+                    Some(Some(position))
                 }
+                _ => None,
+            };
+            if let Some(missing) = lost {
+                let (epoch, start) = self
+                    .start_new_life(group, *shard, &check.epoch, missing)
+                    .await?;
+                check.epoch = epoch;
+                check.start = start;
+                // The cursor was judged against the old life; the epoch alone now decides.
+                check.cursor_found = None;
             }
             self.watermarks.saw(*shard, &check.epoch, check.start);
             checks.push(check);
@@ -386,12 +425,14 @@ impl Inner {
         Ok(checks)
     }
 
+    /// Replaces life `lost` of `shard` by a new one, if it is still the stream's life (and
+    /// `missing` is still not stored).
     async fn start_new_life(
         &self,
         group: usize,
         shard: u32,
         lost: &Epoch,
-        missing: Position,
+        missing: Option<Position>,
     ) -> BackendResult<(Epoch, Position)> {
         let fresh = format!("{}{shard}", Epoch::random().as_str());
         let reply = self
@@ -402,7 +443,7 @@ impl Inner {
                 vec![
                     Value::from(lost.as_str()),
                     Value::from(fresh.as_str()),
-                    Value::from(missing.to_string()),
+                    probe_arg(missing),
                 ],
             )
             .await?;

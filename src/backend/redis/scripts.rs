@@ -134,13 +134,14 @@ return out
 );
 
 /// Starts a new life of a stream that went back in time, unless another pod did already.
-/// KEYS[1]: the stream. ARGV: the epoch that lost data, the fresh epoch, the position that
-/// vanished. The new life starts at the stream's current last id: what is stored up to there
+/// KEYS[1]: the stream. ARGV: the epoch that lost data, the fresh epoch, and the position that
+/// vanished ('' when the stream came back in a life that had already ended: that alone proves
+/// the loss). The new life starts at the stream's current last id: what is stored up to there
 /// belongs to the old one. Returns the current `{epoch, start}`.
 pub const START_NEW_LIFE: &str = with_helpers!(
     r#"
 local epoch, start = life(KEYS[1], ARGV[2])
-if epoch == ARGV[1] and #redis.call('XRANGE', KEYS[1], ARGV[3], ARGV[3]) == 0 then
+if epoch == ARGV[1] and (ARGV[3] == '' or #redis.call('XRANGE', KEYS[1], ARGV[3], ARGV[3]) == 0) then
   redis.call('XGROUP', 'DESTROY', KEYS[1], PREFIX .. epoch)
   redis.call('XGROUP', 'CREATE', KEYS[1], PREFIX .. ARGV[2], '$')
   epoch, start = life(KEYS[1], ARGV[2])
