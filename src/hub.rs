@@ -25,6 +25,7 @@ use crate::{
     config::{AuthMode, BackendKind, Config},
     http::{self, AppState},
     metrics::Metrics,
+    replay::Replayer,
 };
 
 #[derive(Debug, Error)]
@@ -167,9 +168,17 @@ pub fn serve(config: Config) -> Result<(), ServeError> {
         let auth = Arc::new(
             crate::http::auth::Authenticator::new(&config.auth).map_err(ServeError::Unservable)?,
         );
+        let replayer = Arc::new(Replayer::new(
+            backend.clone(),
+            metrics.clone(),
+            config.replay.max_concurrent,
+            config.replay.cache_entries,
+            config.sse.stall_timeout,
+        ));
         let state = AppState {
             config: config.clone(),
             backend,
+            replayer,
             metrics,
             hub: hub.clone(),
             router,

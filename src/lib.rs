@@ -23,5 +23,6 @@ pub mod hub;
 pub mod loadtest;
 pub mod metrics;
 pub mod model;
+pub mod replay;
 pub mod sse;
 pub mod stop;

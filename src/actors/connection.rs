@@ -12,10 +12,9 @@
 //! the backend after that moment reaches the Router behind it (a tail reads it later, and the
 //! mailbox is FIFO), so a client that has seen the first bytes misses nothing, and the stream
 //! costs no round trip to the Router's thread.
-//! Resume: once registered, replays the backlog after the cursor page by page, then ends the
-//! replay with `ReplayEnd` and the body switches to the live queue, skipping what was replayed.
-//! A replay that finds the data lost on its way (a page of another life) tells the client
-//! `resync` `data_lost` at the new life's start and replays that life from there.
+//! Resume: once registered, the pod's [`Replayer`] replays the backlog after the cursor (when a
+//! replay slot is free: bounded and shared, see `replay/`), then ends the replay with
+//! `ReplayEnd` and the body switches to the live queue, skipping what was replayed.
 //! Backpressure: the Router `try_send`s into the queue; full → `CloseReason::SlowConsumer`, and
 //! the socket is shut at once (see `sse::control`). Replay pages wait on the replay channel, i.e.
 //! on the client's reading speed, while live events accumulate in the bounded queue.
@@ -36,7 +35,6 @@ use std::{
 };
 
 use actix::prelude::*;
-use thiserror::Error;
 use tokio::sync::mpsc;
 
 use super::{
@@ -45,9 +43,9 @@ use super::{
     router::{Register, Unregister},
 };
 use crate::{
-    backend::{Backend, BackendError},
     metrics::Metrics,
-    model::{Cursor, DeviceId, ResyncReason},
+    model::DeviceId,
+    replay::{ReplayError, Replayer},
     sse::{
         body::SseBody,
         control::StreamControl,
@@ -57,8 +55,6 @@ use crate::{
     },
 };
 
-/// Entries read from the backend per replay request.
-const REPLAY_PAGE: usize = 500;
 /// Replayed frames buffered ahead of the client; replay waits when the client reads slowly.
 const REPLAY_BUFFER: usize = 64;
 /// How often a connection closed for a drain looks at its client's progress.
@@ -193,14 +189,6 @@ pub struct OpenStream {
     pub socket_fd: Option<std::os::fd::RawFd>,
 }
 
-#[derive(Debug, Error)]
-enum ResumeError {
-    #[error(transparent)]
-    Backend(#[from] BackendError),
-    #[error("client went away during replay")]
-    ClientGone,
-}
-
 pub struct Connection {
     /// Unique per process; tells a takeover's successor apart from its predecessor.
     id: u64,
@@ -221,7 +209,7 @@ pub struct Connection {
     joined: Joined,
     control: Arc<StreamControl>,
     outbox: Rc<Outbox>,
-    backend: Arc<dyn Backend>,
+    replayer: Arc<Replayer>,
     metrics: Arc<Metrics>,
     hub: Arc<HubState>,
     /// Why the stream ends, once decided; the first reason wins.
@@ -237,7 +225,7 @@ impl Connection {
     pub async fn open(
         stream: OpenStream,
         router: RouterLink,
-        backend: Arc<dyn Backend>,
+        replayer: Arc<Replayer>,
         metrics: Arc<Metrics>,
         hub: Arc<HubState>,
     ) -> Result<(SseBody, Recipient<Close>), RouterGone> {
@@ -292,7 +280,7 @@ impl Connection {
             joined: joined.clone(),
             control,
             outbox,
-            backend,
+            replayer,
             metrics,
             hub,
             closing: None,
@@ -356,24 +344,31 @@ impl Actor for Connection {
         let Some((cursor, replay)) = self.resume.take() else {
             return;
         };
-        let (backend, device, shard, metrics, joined) = (
-            self.backend.clone(),
+        let (replayer, device, shard, joined) = (
+            self.replayer.clone(),
             self.device.clone(),
             self.shard,
-            self.metrics.clone(),
             self.joined.clone(),
         );
         // Once the registration is queued ahead of anything appended from then on, what this
-        // replay does not find, the Router delivers live (and the floor drops doubles).
+        // replay does not find, the Router delivers live (and the body drops doubles).
         let replay = async move {
             joined.wait().await;
-            replay_after(&*backend, &device, shard, &cursor, replay, &metrics).await
+            let registered = Instant::now();
+            replayer
+                .replay(&device, shard, &cursor, registered, &replay)
+                .await
         };
         let handle = ctx.spawn(replay.into_actor(self).map(
             |result, connection, ctx| match result {
                 Ok(()) => connection.replaying = None,
-                Err(ResumeError::ClientGone) => {
+                Err(ReplayError::ClientGone) => {
                     connection.closing.get_or_insert(CloseReason::Client);
+                    ctx.stop();
+                }
+                Err(error @ ReplayError::Stalled(_)) => {
+                    log::debug!("stream of {} evicted: {error}", connection.device);
+                    connection.abort(CloseReason::SlowConsumer);
                     ctx.stop();
                 }
                 Err(error) => {
@@ -431,83 +426,5 @@ impl Handler<BodyDropped> for Connection {
     fn handle(&mut self, _: BodyDropped, ctx: &mut Context<Self>) {
         self.closing.get_or_insert(CloseReason::Client);
         ctx.stop();
-    }
-}
-
-/// The resume: sends either every retained event of `device` after `cursor_text`, or one
-/// `resync`, through the replay channel, then `ReplayEnd`.
-async fn replay_after(
-    backend: &dyn Backend,
-    device: &DeviceId,
-    shard: u32,
-    cursor_text: &str,
-    replay: mpsc::Sender<QueueItem>,
-    metrics: &Metrics,
-) -> Result<(), ResumeError> {
-    let cursor = Cursor::parse(cursor_text)
-        .ok()
-        .filter(|cursor| cursor.shard == shard);
-    let state = backend
-        .shard_state(shard, cursor.as_ref().map(|cursor| cursor.position))
-        .await?;
-    let send = |item| async { replay.send(item).await.map_err(|_| ResumeError::ClientGone) };
-    let verdict = match &cursor {
-        None => Err(ResyncReason::Invalid),
-        Some(cursor) => state.judge(cursor),
-    };
-    let (mut epoch, mut after) = match verdict {
-        Ok(position) => (state.epoch, position),
-        Err(reason) => {
-            // Only live events follow: from the head on.
-            send(resync(&Cursor::new(state.epoch, shard, state.head), reason)).await?;
-            return send(QueueItem::ReplayEnd).await;
-        }
-    };
-    send(QueueItem::Floor {
-        epoch: epoch.id(),
-        position: after,
-    })
-    .await?;
-    loop {
-        let page = backend.read_after(shard, after, REPLAY_PAGE).await?;
-        metrics.replay_entries_read.inc_by(page.read as u64);
-        if page.epoch != epoch {
-            // Lost while replaying: the client moves to the start of the new life, whose events
-            // all follow (a tail that finds the same loss sends the same resync, which the body
-            // drops).
-            let state = backend.shard_state(shard, None).await?;
-            let start = Cursor::new(state.epoch, shard, state.start);
-            send(resync(&start, ResyncReason::DataLost)).await?;
-            (epoch, after) = (start.epoch, start.position);
-            continue;
-        }
-        for event in page
-            .events
-            .iter()
-            .filter(|event| event.target.reaches(device))
-        {
-            let id = Cursor::new(epoch.clone(), shard, event.position).to_string();
-            send(QueueItem::Event {
-                epoch: epoch.id(),
-                position: event.position,
-                frame: frame::event(&id, event.event_type.as_str(), &event.data),
-            })
-            .await?;
-            metrics.sse_replayed_events.inc();
-        }
-        match page.last {
-            Some(last) if page.read >= REPLAY_PAGE => after = last,
-            _ => return send(QueueItem::ReplayEnd).await,
-        }
-    }
-}
-
-/// `event: resync` telling the client to continue after `continue_after`.
-fn resync(continue_after: &Cursor, reason: ResyncReason) -> QueueItem {
-    QueueItem::Resync {
-        epoch: continue_after.epoch.id(),
-        position: continue_after.position,
-        reason,
-        frame: frame::resync(continue_after, reason),
     }
 }

@@ -146,6 +146,17 @@ pub struct Config {
     pub auth: AuthConfig,
     pub publish: PublishConfig,
     pub limits: LimitsConfig,
+    pub replay: ReplayConfig,
+}
+
+/// Resumes (`[replay]`): how many run at once, and what they share.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReplayConfig {
+    /// Replays running at once per pod; the others wait with their stream open, in order.
+    pub max_concurrent: usize,
+    /// Stream entries kept in memory, over all shards, while replays of their shard run, so
+    /// that resumes of one shard read the backend once.
+    pub cache_entries: usize,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -589,6 +600,21 @@ impl Config {
             ));
         }
 
+        let replay = ReplayConfig {
+            max_concurrent: int_in(
+                "replay.max_concurrent",
+                raw.replay.max_concurrent,
+                1,
+                1_000_000,
+            )?,
+            cache_entries: int_in(
+                "replay.cache_entries",
+                raw.replay.cache_entries,
+                0,
+                100_000_000,
+            )?,
+        };
+
         Ok(Config {
             server,
             backend,
@@ -600,6 +626,7 @@ impl Config {
             auth,
             publish,
             limits,
+            replay,
         })
     }
 
@@ -696,6 +723,10 @@ impl Config {
                 "max_batch": self.limits.max_batch,
                 "max_connections": self.limits.max_connections,
                 "max_body_bytes": self.limits.max_body_bytes,
+            },
+            "replay": {
+                "max_concurrent": self.replay.max_concurrent,
+                "cache_entries": self.replay.cache_entries,
             },
         })
     }

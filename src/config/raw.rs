@@ -24,6 +24,7 @@ pub struct RawConfig {
     pub auth: RawAuth,
     pub publish: RawPublish,
     pub limits: RawLimits,
+    pub replay: RawReplay,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -237,6 +238,22 @@ impl Default for RawLimits {
             max_batch: 1_000,
             max_connections: 0,
             max_body_bytes: 16_777_216,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RawReplay {
+    pub max_concurrent: i64,
+    pub cache_entries: i64,
+}
+
+impl Default for RawReplay {
+    fn default() -> Self {
+        Self {
+            max_concurrent: 256,
+            cache_entries: 500_000,
         }
     }
 }

@@ -34,6 +34,7 @@ pub use server::{Server, ServerHandle};
 pub struct AppState {
     pub config: Arc<Config>,
     pub backend: Arc<dyn Backend>,
+    pub replayer: Arc<crate::replay::Replayer>,
     pub metrics: Arc<Metrics>,
     pub hub: Arc<HubState>,
     pub router: Addr<Router>,

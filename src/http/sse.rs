@@ -100,7 +100,7 @@ async fn stream(
                 .map(|socket| socket.0),
         },
         state.router_link(),
-        state.backend.clone(),
+        state.replayer.clone(),
         state.metrics.clone(),
         state.hub.clone(),
     )

@@ -2,7 +2,7 @@
 //! the devices, or broadcasts that every connection receives), then a settle time for
 //! stragglers. Reports deliveries per second, end-to-end latency, and exact loss, duplicates,
 //! order violations and misrouting. Also home of the paced publisher and the reader that the
-//! `slow` scenario shares.
+//! `slow` and `resume` scenarios share.
 
 use std::{
     sync::{
@@ -129,7 +129,7 @@ pub struct Published {
 }
 
 /// Publishes the plan on a 5 ms schedule; a batch carries every event that is due.
-async fn publish_paced(
+pub(super) async fn publish_paced(
     run: &Run,
     publisher: &mut Publisher,
     plan: &Plan,
@@ -289,7 +289,7 @@ impl ReaderSet {
     }
 
     /// Waits until every reader is complete, or `settle` after publishing ended.
-    async fn settle(&self, settle: Duration) {
+    pub(super) async fn settle(&self, settle: Duration) {
         let deadline = Instant::now() + settle;
         while self.shared.complete.load(Ordering::Relaxed) < self.tasks.len() as u64
             && Instant::now() < deadline
@@ -321,7 +321,7 @@ impl ReaderSet {
     }
 
     /// Stops every reader (and companion task) and sums what they received.
-    async fn finish(self) -> Result<ReadOutcome, LoadtestError> {
+    pub(super) async fn finish(self) -> Result<ReadOutcome, LoadtestError> {
         let _ = self.stop.send(true);
         let mut outcome = ReadOutcome {
             totals: Totals::default(),

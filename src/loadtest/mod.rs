@@ -16,6 +16,7 @@ mod payload;
 mod plot;
 mod probe;
 mod publisher;
+mod resume;
 mod slow;
 mod storm;
 mod tally;
@@ -58,6 +59,9 @@ pub enum Scenario {
     Slow(slow::SlowArgs),
     /// Drain a posthorn hub with N connections: close times, retry values, reconnect times.
     Drain(drain::DrainArgs),
+    /// N clients resume at once after being away while events were published: time until all
+    /// caught up, loss, peak server memory, backend reads per replayed event.
+    Resume(resume::ResumeArgs),
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
@@ -400,6 +404,7 @@ pub fn run(args: LoadtestArgs) -> Result<(), CliError> {
         Scenario::Fanout(a) => &a.common,
         Scenario::Slow(a) => &a.common,
         Scenario::Drain(a) => &a.common,
+        Scenario::Resume(a) => &a.common,
     };
     let (time_limit, threads) = (common.time_limit, common.threads);
     let run = Run::new(common)?;
@@ -426,6 +431,7 @@ pub fn run(args: LoadtestArgs) -> Result<(), CliError> {
                 Scenario::Fanout(a) => fanout::run(&run, a).await,
                 Scenario::Slow(a) => slow::run(&run, a).await,
                 Scenario::Drain(a) => drain::run(&run, a).await,
+                Scenario::Resume(a) => resume::run(&run, a).await,
             }
         };
         match tokio::time::timeout(time_limit, work).await {

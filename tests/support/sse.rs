@@ -258,6 +258,34 @@ impl SseClient {
             })
     }
 
+    /// Starts reading a stream opened with [`SseClient::connect_raw_never_read`] (the request
+    /// is sent, nothing was read yet): the response head, then events as usual.
+    pub async fn connect_raw_reader(mut stream: TcpStream) -> SseClient {
+        let addr = stream.peer_addr().expect("a connected stream");
+        let mut leftover = Vec::new();
+        let head = tokio::time::timeout(IO_TIMEOUT, read_head(&mut stream, &mut leftover))
+            .await
+            .unwrap_or_else(|_| panic!("no SSE response head from {addr} within {IO_TIMEOUT:?}"))
+            .unwrap_or_else(|e| panic!("SSE response head from {addr}: {e}"));
+        let framing = BodyFraming::for_response("GET", &head).expect("an SSE body");
+        let mut client = SseClient {
+            stream,
+            addr,
+            path: String::new(),
+            status: head.status,
+            headers: head.headers,
+            framing,
+            decoder: SseDecoder::new(),
+            pending: VecDeque::new(),
+            closed: false,
+            retry: None,
+            comments: Vec::new(),
+            raw: Vec::new(),
+        };
+        client.ingest(&leftover);
+        client
+    }
+
     pub fn status(&self) -> u16 {
         self.status
     }

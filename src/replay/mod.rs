@@ -1,0 +1,253 @@
+//! Resumes: the replay of what a client missed after its cursor, bounded and shared.
+//!
+//! Owns the pod's replay slots (`replay.max_concurrent`, a fair semaphore: a stream that resumes
+//! while every slot is busy is open at once and waits its turn in order of arrival) and one
+//! [`Window`] per shard that has replays, waiting or running: the shard's entries read so far,
+//! so that the resumes of one shard read each entry from the backend once instead of once per
+//! device (`replay.cache_entries` bounds all windows together; beyond it replays read directly).
+//!
+//! Not an actor: each Connection runs its own replay as a future, and they meet here. A replay
+//! sends either every retained event of its device after the cursor, or one `resync`, through
+//! the connection's replay channel, then `ReplayEnd`. A replay whose client takes nothing for
+//! `sse.stall_timeout` gives its slot up (the Connection evicts the client).
+
+mod window;
+
+use std::{
+    collections::HashMap,
+    sync::{Arc, Mutex},
+    time::{Duration, Instant},
+};
+
+use thiserror::Error;
+use tokio::sync::{mpsc, Semaphore};
+
+use crate::{
+    backend::{Backend, BackendError},
+    metrics::Metrics,
+    model::{Cursor, DeviceId, ResyncReason},
+    sse::{frame, QueueItem},
+};
+use window::{CacheBudget, Window};
+
+/// Entries read from the backend per replay request.
+pub const REPLAY_PAGE: usize = 500;
+
+#[derive(Debug, Error)]
+pub enum ReplayError {
+    #[error(transparent)]
+    Backend(#[from] BackendError),
+    #[error("client went away during replay")]
+    ClientGone,
+    #[error("client took nothing of its replay for {0:?}")]
+    Stalled(Duration),
+}
+
+pub struct Replayer {
+    backend: Arc<dyn Backend>,
+    metrics: Arc<Metrics>,
+    slots: Semaphore,
+    /// Windows of the shards with replays, and how many replays use each.
+    windows: Mutex<HashMap<u32, (Arc<Window>, usize)>>,
+    budget: Arc<CacheBudget>,
+    /// A client that takes nothing of its replay for this long is stalled (zero: never).
+    stall_timeout: Duration,
+}
+
+impl Replayer {
+    pub fn new(
+        backend: Arc<dyn Backend>,
+        metrics: Arc<Metrics>,
+        max_concurrent: usize,
+        cache_entries: usize,
+        stall_timeout: Duration,
+    ) -> Self {
+        Self {
+            backend,
+            metrics,
+            slots: Semaphore::new(max_concurrent),
+            windows: Mutex::new(HashMap::new()),
+            budget: Arc::new(CacheBudget::new(cache_entries)),
+            stall_timeout,
+        }
+    }
+
+    /// Replays `device`'s events after `cursor_text` through `out`, once a slot is free.
+    /// `registered` is when the stream joined the Router: what is stored after it arrives live.
+    pub async fn replay(
+        &self,
+        device: &DeviceId,
+        shard: u32,
+        cursor_text: &str,
+        registered: Instant,
+        out: &mpsc::Sender<QueueItem>,
+    ) -> Result<(), ReplayError> {
+        let window = WindowUse::new(self, shard);
+        let waiting = GaugeGuard::new(&self.metrics.replays_waiting);
+        let _slot = self
+            .slots
+            .acquire()
+            .await
+            .expect("the replay semaphore is never closed");
+        drop(waiting);
+        let _running = GaugeGuard::new(&self.metrics.replays_in_flight);
+        let result = self
+            .run(device, shard, cursor_text, registered, &window.window, out)
+            .await;
+        self.metrics
+            .replay_duration_seconds
+            .observe(registered.elapsed().as_secs_f64());
+        result
+    }
+
+    async fn run(
+        &self,
+        device: &DeviceId,
+        shard: u32,
+        cursor_text: &str,
+        registered: Instant,
+        window: &Window,
+        out: &mpsc::Sender<QueueItem>,
+    ) -> Result<(), ReplayError> {
+        let send = |item| self.send(out, item);
+        let cursor = Cursor::parse(cursor_text)
+            .ok()
+            .filter(|cursor| cursor.shard == shard);
+        let state = self
+            .backend
+            .shard_state(shard, cursor.as_ref().map(|cursor| cursor.position))
+            .await?;
+        let verdict = match &cursor {
+            None => Err(ResyncReason::Invalid),
+            Some(cursor) => state.judge(cursor),
+        };
+        let (mut epoch, mut after) = match verdict {
+            Ok(position) => (state.epoch, position),
+            Err(reason) => {
+                // Only live events follow: from the head on.
+                send(resync(&Cursor::new(state.epoch, shard, state.head), reason)).await?;
+                return send(QueueItem::ReplayEnd).await;
+            }
+        };
+        send(QueueItem::Floor {
+            epoch: epoch.id(),
+            position: after,
+        })
+        .await?;
+        loop {
+            let page = window
+                .page_after(&*self.backend, &self.metrics, &epoch, after, registered)
+                .await?;
+            if page.epoch != epoch {
+                // Lost while replaying: the client moves to the start of the new life, whose
+                // events all follow (a tail that finds the same loss sends the same resync, which
+                // the body drops).
+                let state = self.backend.shard_state(shard, None).await?;
+                let start = Cursor::new(state.epoch, shard, state.start);
+                send(resync(&start, ResyncReason::DataLost)).await?;
+                (epoch, after) = (start.epoch, start.position);
+                continue;
+            }
+            for event in page
+                .events
+                .iter()
+                .filter(|event| event.target.reaches(device))
+            {
+                let id = Cursor::new(epoch.clone(), shard, event.position).to_string();
+                send(QueueItem::Event {
+                    epoch: epoch.id(),
+                    position: event.position,
+                    frame: frame::event(&id, event.event_type.as_str(), &event.data),
+                })
+                .await?;
+                self.metrics.sse_replayed_events.inc();
+            }
+            match page.last {
+                Some(last) if !page.done => after = last,
+                _ => return send(QueueItem::ReplayEnd).await,
+            }
+        }
+    }
+
+    async fn send(
+        &self,
+        out: &mpsc::Sender<QueueItem>,
+        item: QueueItem,
+    ) -> Result<(), ReplayError> {
+        if self.stall_timeout.is_zero() {
+            return out.send(item).await.map_err(|_| ReplayError::ClientGone);
+        }
+        match tokio::time::timeout(self.stall_timeout, out.send(item)).await {
+            Ok(sent) => sent.map_err(|_| ReplayError::ClientGone),
+            Err(_) => Err(ReplayError::Stalled(self.stall_timeout)),
+        }
+    }
+}
+
+/// `event: resync` telling the client to continue after `continue_after`.
+fn resync(continue_after: &Cursor, reason: ResyncReason) -> QueueItem {
+    QueueItem::Resync {
+        epoch: continue_after.epoch.id(),
+        position: continue_after.position,
+        reason,
+        frame: frame::resync(continue_after, reason),
+    }
+}
+
+/// One replay's use of its shard's window: the window lives while any replay of the shard,
+/// waiting or running, uses it.
+struct WindowUse<'a> {
+    replayer: &'a Replayer,
+    shard: u32,
+    window: Arc<Window>,
+}
+
+impl<'a> WindowUse<'a> {
+    fn new(replayer: &'a Replayer, shard: u32) -> Self {
+        let mut windows = replayer
+            .windows
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let (window, users) = windows
+            .entry(shard)
+            .or_insert_with(|| (Arc::new(Window::new(shard, replayer.budget.clone())), 0));
+        *users += 1;
+        Self {
+            replayer,
+            shard,
+            window: window.clone(),
+        }
+    }
+}
+
+impl Drop for WindowUse<'_> {
+    fn drop(&mut self) {
+        let mut windows = self
+            .replayer
+            .windows
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        if let Some((_, users)) = windows.get_mut(&self.shard) {
+            *users -= 1;
+            if *users == 0 {
+                windows.remove(&self.shard);
+            }
+        }
+    }
+}
+
+/// Counts one replay in a gauge while it lives (also when its future is dropped).
+struct GaugeGuard<'a>(&'a prometheus::IntGauge);
+
+impl<'a> GaugeGuard<'a> {
+    fn new(gauge: &'a prometheus::IntGauge) -> Self {
+        gauge.inc();
+        Self(gauge)
+    }
+}
+
+impl Drop for GaugeGuard<'_> {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
+}
