@@ -4,18 +4,34 @@
 //! what the producers were told. The promise it checks: every event of a device once and in
 //! order, or an explicit `resync` before anything after the gap.
 //!
-//! - `short_run_redis`, `short_run_nats`: fixed seeds, about 40 s and 25 s (a quiet period of
-//!   up to 10 s more when devices miss events); they assert that there is no violation. Run
-//!   both with `cargo test --test chaos short_run -- --nocapture` (they take turns).
+//! Topologies and their fault kinds ([`faults`]; hub SIGKILL and hub drain on every topology):
+//! - `redis`: one Redis with AOF: restart from the AOF, restart without files, rollback to an
+//!   older snapshot (taken halfway through every pause), FLUSHALL, DEL of a stream;
+//! - `redis-rdb`: one Redis without persistence: the same but the AOF restart (the snapshots
+//!   are SAVEd RDB files);
+//! - `redis-cluster`: 3 masters with a replica each, hubs with `redis.cluster` and 3 groups:
+//!   failover (the master of a group's slot SIGKILLed, its replica promoted, the old master
+//!   restarted as a replica), FLUSHALL on every master, DEL of a stream;
+//! - `nats`: one `nats-server -js`: stream deletion, restart with and without its store;
+//! - `nats-cluster`: 3 nodes, hubs with every node's URL and an R3 stream: one node SIGKILLed
+//!   (now and then stopped), the stream leader and a follower in turn, and restarted (no stream
+//!   deletion: nats-server 2.9.10 does not bring a node killed after a re-creation back).
+//!
+//! - Short runs, one per topology but `redis-rdb`, fixed seeds, each kind of the topology once
+//!   (the cluster runs: two failovers or node kills, and no hub faults), 2 to 3.5 s apart; they
+//!   assert that there is no violation. `cargo test --test chaos -- --nocapture` runs them one
+//!   after the other (plus the unit tests) in about 95 s on the 2-core machine: `redis` 30 s,
+//!   `redis-cluster` 23 s (2 s to start the cluster), `nats` 24 s, `nats-cluster` 19 s (4 s to
+//!   start); up to 10 s more each if devices miss events (the quiet period).
 //! - `long_run` (ignored): `POSTHORN_CHAOS_MINUTES` (default 10), `POSTHORN_CHAOS_SEED`
-//!   (default: drawn from the clock), `POSTHORN_CHAOS_BACKEND` (`redis`, `nats` or `both`,
-//!   the default, which splits the minutes):
+//!   (default: drawn from the clock), `POSTHORN_CHAOS_BACKEND` (`all`, the default, which splits
+//!   the minutes over every topology; `both` for `redis,nats`; or a comma-separated list):
 //!   `POSTHORN_CHAOS_MINUTES=30 cargo test --test chaos long_run -- --ignored --nocapture`.
 //!
-//! Each run prints a human summary (per fault kind: faults injected, resyncs seen after it,
-//! events checked, violations by kind; then each violation with the device's history around
-//! it) and one JSON line starting with `{"chaos":`. A seed replays the same schedule, device
-//! behaviours and publishing pattern; process timing differs from run to run. A run with
+//! Each run (segment) prints a human summary (per fault kind: faults injected, resyncs seen
+//! after it, events checked, violations by kind; then each violation with the device's history
+//! around it) and one JSON line starting with `{"chaos":`. A seed replays the same schedule,
+//! device behaviours and publishing pattern; process timing differs from run to run. A run with
 //! violations (or any run with `POSTHORN_CHAOS_HISTORY_DIR` set) writes its whole history as
 //! JSON; `recheck` (ignored) checks such a file again.
 
@@ -32,11 +48,14 @@ mod scenario;
 use std::sync::Mutex;
 use std::time::Duration;
 
-use faults::BackendKind;
+use checker::Report;
+use faults::{BackendKind, FaultKind};
 use scenario::{Plan, RunResult};
 
 const SHORT_REDIS_SEED: u64 = 0x00c4_a05e_0001;
 const SHORT_NATS_SEED: u64 = 0x00c4_a05e_0002;
+const SHORT_REDIS_CLUSTER_SEED: u64 = 0x00c4_a05e_0003;
+const SHORT_NATS_CLUSTER_SEED: u64 = 0x00c4_a05e_0004;
 
 /// The scenarios share two cores with everything they start: one at a time.
 static SERIAL: Mutex<()> = Mutex::new(());
@@ -112,17 +131,17 @@ fn keep_history(result: &RunResult) -> Option<std::path::PathBuf> {
     }
 }
 
-fn assert_clean(results: &[(&RunResult, String)]) {
+fn assert_clean(results: &[(&Report, String)]) {
     let failing: Vec<String> = results
         .iter()
-        .filter(|(r, _)| !r.report.is_clean())
+        .filter(|(r, _)| !r.is_clean())
         .map(|(r, replay)| {
             format!(
                 "{} seed {}: {} violations {:?}; replay: {replay}",
-                r.report.backend,
-                r.report.seed,
-                r.report.violations.len(),
-                r.report.violation_counts()
+                r.backend,
+                r.seed,
+                r.violations.len(),
+                r.violation_counts()
             )
         })
         .collect();
@@ -133,30 +152,73 @@ fn assert_clean(results: &[(&RunResult, String)]) {
     );
 }
 
-#[test]
-fn short_run_redis() {
+/// A short run: one deck of `kinds` (every kind of the topology once, unless given), then
+/// `settle` and the quiet period; bounded by `limit` if the faults take longer.
+fn short_plan(backend: BackendKind, seed: u64, kinds: Option<Vec<FaultKind>>) -> Plan {
+    let mut plan = Plan::new(backend, seed, Duration::from_secs(60));
+    if let Some(kinds) = kinds {
+        plan.kinds = kinds;
+    }
+    plan.max_faults = Some(plan.kinds.len());
+    plan.pause = (Duration::from_millis(2000), Duration::from_millis(3500));
+    plan.drain_wait = Duration::from_secs(5);
+    plan
+}
+
+fn short_run(plan: Plan, test: &str) {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let plan = Plan::new(
-        BackendKind::Redis,
-        SHORT_REDIS_SEED,
-        Duration::from_secs(40),
-    );
     let result = execute(&plan);
     assert_clean(&[(
-        &result,
-        "cargo test --test chaos short_run_redis -- --nocapture".into(),
+        &result.report,
+        format!("cargo test --test chaos {test} -- --nocapture"),
     )]);
 }
 
 #[test]
+fn short_run_redis() {
+    short_run(
+        short_plan(BackendKind::Redis, SHORT_REDIS_SEED, None),
+        "short_run_redis",
+    );
+}
+
+#[test]
 fn short_run_nats() {
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let plan = Plan::new(BackendKind::Nats, SHORT_NATS_SEED, Duration::from_secs(22));
-    let result = execute(&plan);
-    assert_clean(&[(
-        &result,
-        "cargo test --test chaos short_run_nats -- --nocapture".into(),
-    )]);
+    short_run(
+        short_plan(BackendKind::Nats, SHORT_NATS_SEED, None),
+        "short_run_nats",
+    );
+}
+
+#[test]
+fn short_run_redis_cluster() {
+    let kinds = vec![
+        FaultKind::RedisFailover,
+        FaultKind::RedisFailover,
+        FaultKind::RedisFlushAll,
+        FaultKind::RedisDelStream,
+    ];
+    short_run(
+        short_plan(
+            BackendKind::RedisCluster,
+            SHORT_REDIS_CLUSTER_SEED,
+            Some(kinds),
+        ),
+        "short_run_redis_cluster",
+    );
+}
+
+#[test]
+fn short_run_nats_cluster() {
+    let kinds = vec![FaultKind::NatsNodeKill, FaultKind::NatsNodeKill];
+    short_run(
+        short_plan(
+            BackendKind::NatsCluster,
+            SHORT_NATS_CLUSTER_SEED,
+            Some(kinds),
+        ),
+        "short_run_nats_cluster",
+    );
 }
 
 /// Checks a history written by an earlier run again (after a change to the checker, or to read
@@ -195,12 +257,17 @@ fn long_run() {
                 .map(|d| d.as_nanos() as u64 % 1_000_000_000)
                 .unwrap_or(1)
         });
-    let which = std::env::var("POSTHORN_CHAOS_BACKEND").unwrap_or_else(|_| "both".into());
-    let backends = match which.as_str() {
-        "redis" => vec![BackendKind::Redis],
-        "nats" => vec![BackendKind::Nats],
+    let which = std::env::var("POSTHORN_CHAOS_BACKEND").unwrap_or_else(|_| "all".into());
+    let backends: Vec<BackendKind> = match which.as_str() {
+        "all" => BackendKind::ALL.to_vec(),
         "both" => vec![BackendKind::Redis, BackendKind::Nats],
-        other => panic!("POSTHORN_CHAOS_BACKEND must be redis, nats or both, not {other:?}"),
+        list => list
+            .split(',')
+            .map(|label| {
+                BackendKind::parse(label.trim())
+                    .unwrap_or_else(|| panic!("POSTHORN_CHAOS_BACKEND: unknown {label:?}"))
+            })
+            .collect(),
     };
     let chaos = Duration::from_secs_f64(minutes * 60.0 / backends.len() as f64);
     println!("long chaos run: seed {seed}, {minutes} minutes, backends {which}");
@@ -208,10 +275,10 @@ fn long_run() {
         "POSTHORN_CHAOS_SEED={seed} POSTHORN_CHAOS_MINUTES={minutes} POSTHORN_CHAOS_BACKEND={which} \
          cargo test --test chaos long_run -- --ignored --nocapture"
     );
-    let results: Vec<RunResult> = backends
+    let reports: Vec<Report> = backends
         .into_iter()
-        .map(|backend| execute(&Plan::new(backend, seed, chaos)))
+        .map(|backend| execute(&Plan::new(backend, seed, chaos)).report)
         .collect();
-    let labelled: Vec<(&RunResult, String)> = results.iter().map(|r| (r, replay.clone())).collect();
+    let labelled: Vec<(&Report, String)> = reports.iter().map(|r| (r, replay.clone())).collect();
     assert_clean(&labelled);
 }
