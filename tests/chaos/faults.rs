@@ -175,6 +175,23 @@ impl FaultKind {
             .filter(|k| k.applies_to(backend))
             .collect()
     }
+
+    /// The deck of a long run's segment: the applicable kinds, those that only this topology
+    /// has twice, so that across the topologies of a long run they gather about as many faults
+    /// as the kinds several topologies share.
+    pub fn long_deck(backend: BackendKind) -> Vec<FaultKind> {
+        let mut deck = Vec::new();
+        for kind in Self::applicable(backend) {
+            let only_here = BackendKind::ALL
+                .iter()
+                .all(|&b| b == backend || !kind.applies_to(b));
+            deck.push(kind);
+            if only_here {
+                deck.push(kind);
+            }
+        }
+        deck
+    }
 }
 
 /// One scheduled fault: the pause before it (after the previous one healed), its kind, and a

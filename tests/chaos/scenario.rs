@@ -69,6 +69,19 @@ impl Plan {
     }
 }
 
+impl Plan {
+    /// A segment of a long run: [`FaultKind::long_deck`], shorter pauses and drain waits (more
+    /// faults per minute).
+    pub fn long(backend: BackendKind, seed: u64, chaos: Duration) -> Plan {
+        Plan {
+            kinds: FaultKind::long_deck(backend),
+            pause: (Duration::from_millis(1500), Duration::from_millis(3000)),
+            drain_wait: Duration::from_secs(5),
+            ..Plan::new(backend, seed, chaos)
+        }
+    }
+}
+
 /// A finished run.
 pub struct RunResult {
     pub history: History,
