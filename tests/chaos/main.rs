@@ -4,18 +4,41 @@
 //! what the producers were told. The promise it checks: every event of a device once and in
 //! order, or an explicit `resync` before anything after the gap.
 //!
-//! - `short_run_redis`, `short_run_nats`: fixed seeds, about 40 s and 25 s (a quiet period of
-//!   up to 10 s more when devices miss events); they assert that there is no violation. Run
-//!   both with `cargo test --test chaos short_run -- --nocapture` (they take turns).
-//! - `long_run` (ignored): `POSTHORN_CHAOS_MINUTES` (default 10), `POSTHORN_CHAOS_SEED`
-//!   (default: drawn from the clock), `POSTHORN_CHAOS_BACKEND` (`redis`, `nats` or `both`,
-//!   the default, which splits the minutes):
-//!   `POSTHORN_CHAOS_MINUTES=30 cargo test --test chaos long_run -- --ignored --nocapture`.
+//! Topologies and their fault kinds ([`faults`]; hub SIGKILL and hub drain on every topology):
+//! - `redis`: one Redis with AOF: restart from the AOF, restart without files, rollback to an
+//!   older snapshot (taken halfway through every pause), FLUSHALL, DEL of a stream;
+//! - `redis-rdb`: one Redis without persistence: the same but the AOF restart (the snapshots
+//!   are SAVEd RDB files);
+//! - `redis-cluster`: 3 masters with a replica each, hubs with `redis.cluster` and 3 groups:
+//!   failover (the master of a group's slot SIGKILLed, its replica promoted, the old master
+//!   restarted as a replica), FLUSHALL on every master, DEL of a stream;
+//! - `nats`: one `nats-server -js`: stream deletion, restart with and without its store;
+//! - `nats-cluster`: 3 nodes, hubs with every node's URL and an R3 stream: one node SIGKILLed
+//!   (now and then stopped), the stream leader and a follower in turn, and restarted (no stream
+//!   deletion: nats-server 2.9.10 does not bring a node killed after a re-creation back).
 //!
-//! Each run prints a human summary (per fault kind: faults injected, resyncs seen after it,
-//! events checked, violations by kind; then each violation with the device's history around
-//! it) and one JSON line starting with `{"chaos":`. A seed replays the same schedule, device
-//! behaviours and publishing pattern; process timing differs from run to run. A run with
+//! - Short runs, one per topology but `redis-rdb`, fixed seeds, each kind of the topology once
+//!   (the cluster runs: two failovers or node kills, and no hub faults), 2 to 3.5 s apart; they
+//!   assert that there is no violation. `cargo test --test chaos -- --nocapture` runs them one
+//!   after the other (plus the unit tests) in about 95 s on the 2-core machine: `redis` 30 s,
+//!   `redis-cluster` 23 s (2 s to start the cluster), `nats` 24 s, `nats-cluster` 19 s (4 s to
+//!   start); up to 10 s more each if devices miss events (the quiet period).
+//! - `long_run` (ignored): every topology in turn, in rounds, each segment a fresh system:
+//!   `POSTHORN_CHAOS_MINUTES` (default 10; the minutes of faults, split by a weight per
+//!   topology and over `round(minutes / 12)` rounds), `POSTHORN_CHAOS_SEED` (default: drawn
+//!   from the clock), `POSTHORN_CHAOS_BACKEND` (`all`, the default; `both` for `redis,nats`; or
+//!   a comma-separated list of topologies). Kinds only one topology has come twice per deck,
+//!   pauses are 1.5 to 3 s, so that 30 minutes give each kind about 20 faults or more (a
+//!   3-minute trial: 57 faults, 19 a minute, 2 to 10 per kind). It ends with a table per fault
+//!   kind over all segments (faults injected, events checked after them, violations, resyncs,
+//!   topologies) and lists the kinds below 20 faults; each segment prints its own replay line:
+//!   `POSTHORN_CHAOS_MINUTES=30 cargo test --test chaos long_run -- --ignored --nocapture`
+//!   (3 minutes of faults took 3.2 minutes: start-up, quiet periods, the last faults).
+//!
+//! Each run (segment) prints a human summary (per fault kind: faults injected, resyncs seen
+//! after it, events checked, violations by kind; then each violation with the device's history
+//! around it) and one JSON line starting with `{"chaos":`. A seed replays the same schedule,
+//! device behaviours and publishing pattern; process timing differs from run to run. A run with
 //! violations (or any run with `POSTHORN_CHAOS_HISTORY_DIR` set) writes its whole history as
 //! JSON; `recheck` (ignored) checks such a file again.
 
@@ -29,14 +52,19 @@ mod history;
 mod producer;
 mod scenario;
 
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt::Write as _;
 use std::sync::Mutex;
 use std::time::Duration;
 
-use faults::BackendKind;
+use checker::Report;
+use faults::{BackendKind, FaultKind};
 use scenario::{Plan, RunResult};
 
 const SHORT_REDIS_SEED: u64 = 0x00c4_a05e_0001;
 const SHORT_NATS_SEED: u64 = 0x00c4_a05e_0002;
+const SHORT_REDIS_CLUSTER_SEED: u64 = 0x00c4_a05e_0003;
+const SHORT_NATS_CLUSTER_SEED: u64 = 0x00c4_a05e_0004;
 
 /// The scenarios share two cores with everything they start: one at a time.
 static SERIAL: Mutex<()> = Mutex::new(());
@@ -112,17 +140,17 @@ fn keep_history(result: &RunResult) -> Option<std::path::PathBuf> {
     }
 }
 
-fn assert_clean(results: &[(&RunResult, String)]) {
+fn assert_clean(results: &[(&Report, String)]) {
     let failing: Vec<String> = results
         .iter()
-        .filter(|(r, _)| !r.report.is_clean())
+        .filter(|(r, _)| !r.is_clean())
         .map(|(r, replay)| {
             format!(
                 "{} seed {}: {} violations {:?}; replay: {replay}",
-                r.report.backend,
-                r.report.seed,
-                r.report.violations.len(),
-                r.report.violation_counts()
+                r.backend,
+                r.seed,
+                r.violations.len(),
+                r.violation_counts()
             )
         })
         .collect();
@@ -133,30 +161,73 @@ fn assert_clean(results: &[(&RunResult, String)]) {
     );
 }
 
-#[test]
-fn short_run_redis() {
+/// A short run: one deck of `kinds` (every kind of the topology once, unless given), then
+/// `settle` and the quiet period; bounded by `limit` if the faults take longer.
+fn short_plan(backend: BackendKind, seed: u64, kinds: Option<Vec<FaultKind>>) -> Plan {
+    let mut plan = Plan::new(backend, seed, Duration::from_secs(60));
+    if let Some(kinds) = kinds {
+        plan.kinds = kinds;
+    }
+    plan.max_faults = Some(plan.kinds.len());
+    plan.pause = (Duration::from_millis(2000), Duration::from_millis(3500));
+    plan.drain_wait = Duration::from_secs(5);
+    plan
+}
+
+fn short_run(plan: Plan, test: &str) {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let plan = Plan::new(
-        BackendKind::Redis,
-        SHORT_REDIS_SEED,
-        Duration::from_secs(40),
-    );
     let result = execute(&plan);
     assert_clean(&[(
-        &result,
-        "cargo test --test chaos short_run_redis -- --nocapture".into(),
+        &result.report,
+        format!("cargo test --test chaos {test} -- --nocapture"),
     )]);
 }
 
 #[test]
+fn short_run_redis() {
+    short_run(
+        short_plan(BackendKind::Redis, SHORT_REDIS_SEED, None),
+        "short_run_redis",
+    );
+}
+
+#[test]
 fn short_run_nats() {
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let plan = Plan::new(BackendKind::Nats, SHORT_NATS_SEED, Duration::from_secs(22));
-    let result = execute(&plan);
-    assert_clean(&[(
-        &result,
-        "cargo test --test chaos short_run_nats -- --nocapture".into(),
-    )]);
+    short_run(
+        short_plan(BackendKind::Nats, SHORT_NATS_SEED, None),
+        "short_run_nats",
+    );
+}
+
+#[test]
+fn short_run_redis_cluster() {
+    let kinds = vec![
+        FaultKind::RedisFailover,
+        FaultKind::RedisFailover,
+        FaultKind::RedisFlushAll,
+        FaultKind::RedisDelStream,
+    ];
+    short_run(
+        short_plan(
+            BackendKind::RedisCluster,
+            SHORT_REDIS_CLUSTER_SEED,
+            Some(kinds),
+        ),
+        "short_run_redis_cluster",
+    );
+}
+
+#[test]
+fn short_run_nats_cluster() {
+    let kinds = vec![FaultKind::NatsNodeKill, FaultKind::NatsNodeKill];
+    short_run(
+        short_plan(
+            BackendKind::NatsCluster,
+            SHORT_NATS_CLUSTER_SEED,
+            Some(kinds),
+        ),
+        "short_run_nats_cluster",
+    );
 }
 
 /// Checks a history written by an earlier run again (after a change to the checker, or to read
@@ -175,6 +246,125 @@ fn recheck() {
     println!("{}", report.json_line());
 }
 
+/// Share of a long run's minutes per topology: about what one deck of its kinds takes (the
+/// cluster faults wait for failovers and rejoins), so that the kinds only one topology has get
+/// about as many faults as the others.
+fn weight(backend: BackendKind) -> f64 {
+    match backend {
+        BackendKind::Redis => 1.0,
+        BackendKind::RedisRdb => 0.75,
+        BackendKind::RedisCluster => 1.05,
+        BackendKind::Nats => 1.2,
+        BackendKind::NatsCluster => 0.9,
+    }
+}
+
+/// Faults of each kind a long run of 30 minutes or more should inject at least.
+const LONG_RUN_MIN_FAULTS: u64 = 20;
+
+/// Per fault kind, over every segment of a long run.
+#[derive(Default)]
+struct KindTotals {
+    topologies: BTreeSet<String>,
+    injected: u64,
+    events: u64,
+    resyncs: BTreeMap<String, u64>,
+    violations: BTreeMap<String, u64>,
+}
+
+fn fmt_counts(map: &BTreeMap<String, u64>) -> String {
+    if map.is_empty() {
+        return "-".into();
+    }
+    map.iter()
+        .map(|(k, v)| format!("{k} {v}"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// The long run's table: per fault kind, faults injected, events checked after them, resyncs
+/// seen after them and violations attributed to them, over all segments.
+fn long_summary(reports: &[Report]) -> (String, Vec<String>) {
+    let mut totals: BTreeMap<String, KindTotals> = BTreeMap::new();
+    let mut order: Vec<String> = vec![checker::NO_FAULT.to_string()];
+    order.extend(
+        FaultKind::ALL
+            .iter()
+            .map(|k| k.label().to_string())
+            .collect::<Vec<_>>(),
+    );
+    for report in reports {
+        for stats in &report.per_fault {
+            let t = totals.entry(stats.fault.clone()).or_default();
+            if stats.injected > 0 {
+                t.topologies.insert(report.backend.clone());
+            }
+            t.injected += stats.injected;
+            t.events += stats.events;
+            for (k, v) in &stats.resyncs {
+                *t.resyncs.entry(k.clone()).or_default() += v;
+            }
+            for (k, v) in &stats.violations {
+                *t.violations.entry(format!("{k:?}")).or_default() += v;
+            }
+        }
+    }
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "{:<20} {:>8} {:>9} {:>10}  {:<26} topologies",
+        "fault", "injected", "events", "violations", "resyncs seen after it"
+    );
+    let mut short = Vec::new();
+    for label in &order {
+        let Some(t) = totals.get(label) else {
+            if label != checker::NO_FAULT {
+                short.push(format!("{label} 0"));
+            }
+            continue;
+        };
+        let violations: u64 = t.violations.values().sum();
+        let _ = writeln!(
+            out,
+            "{:<20} {:>8} {:>9} {:>10}  {:<26} {}",
+            label,
+            t.injected,
+            t.events,
+            if violations == 0 {
+                "0".to_string()
+            } else {
+                format!("{violations} ({})", fmt_counts(&t.violations))
+            },
+            fmt_counts(&t.resyncs),
+            t.topologies.iter().cloned().collect::<Vec<_>>().join(", "),
+        );
+        if label != checker::NO_FAULT && t.injected < LONG_RUN_MIN_FAULTS {
+            short.push(format!("{label} {}", t.injected));
+        }
+    }
+    let events: u64 = reports.iter().map(|r| r.events_checked).sum();
+    let violations: usize = reports.iter().map(|r| r.violations.len()).sum();
+    let _ = writeln!(
+        out,
+        "{:<20} {:>8} {:>9} {:>10}",
+        "total",
+        reports
+            .iter()
+            .flat_map(|r| &r.per_fault)
+            .map(|s| s.injected)
+            .sum::<u64>(),
+        events,
+        violations
+    );
+    (out, short)
+}
+
+/// Every topology in turn, in rounds, each segment a fresh system (clusters started anew):
+/// `POSTHORN_CHAOS_MINUTES` (default 10) split over the topologies by [`weight`] and over
+/// `round(minutes / 12)` rounds (at least one); `POSTHORN_CHAOS_SEED` (default: from the
+/// clock; round `r` runs with seed + r); `POSTHORN_CHAOS_BACKEND`: `all` (the default), `both`
+/// (`redis,nats`), or a comma-separated list of `redis`, `redis-rdb`, `redis-cluster`, `nats`,
+/// `nats-cluster`.
 #[test]
 #[ignore = "long: POSTHORN_CHAOS_MINUTES, POSTHORN_CHAOS_SEED, POSTHORN_CHAOS_BACKEND"]
 fn long_run() {
@@ -195,23 +385,78 @@ fn long_run() {
                 .map(|d| d.as_nanos() as u64 % 1_000_000_000)
                 .unwrap_or(1)
         });
-    let which = std::env::var("POSTHORN_CHAOS_BACKEND").unwrap_or_else(|_| "both".into());
-    let backends = match which.as_str() {
-        "redis" => vec![BackendKind::Redis],
-        "nats" => vec![BackendKind::Nats],
+    let which = std::env::var("POSTHORN_CHAOS_BACKEND").unwrap_or_else(|_| "all".into());
+    let backends: Vec<BackendKind> = match which.as_str() {
+        "all" => BackendKind::ALL.to_vec(),
         "both" => vec![BackendKind::Redis, BackendKind::Nats],
-        other => panic!("POSTHORN_CHAOS_BACKEND must be redis, nats or both, not {other:?}"),
+        list => list
+            .split(',')
+            .map(|label| {
+                BackendKind::parse(label.trim()).unwrap_or_else(|| {
+                    panic!(
+                        "POSTHORN_CHAOS_BACKEND: {label:?} is none of all, both, redis, \
+                         redis-rdb, redis-cluster, nats, nats-cluster"
+                    )
+                })
+            })
+            .collect(),
     };
-    let chaos = Duration::from_secs_f64(minutes * 60.0 / backends.len() as f64);
-    println!("long chaos run: seed {seed}, {minutes} minutes, backends {which}");
-    let replay = format!(
-        "POSTHORN_CHAOS_SEED={seed} POSTHORN_CHAOS_MINUTES={minutes} POSTHORN_CHAOS_BACKEND={which} \
-         cargo test --test chaos long_run -- --ignored --nocapture"
+    let rounds = ((minutes / 12.0).round() as u64).max(1);
+    let total_weight: f64 = backends.iter().map(|&b| weight(b)).sum();
+    println!(
+        "long chaos run: seed {seed}, {minutes} minutes, {rounds} round(s) of {}",
+        backends
+            .iter()
+            .map(|&b| format!(
+                "{} {:.1} min",
+                b.label(),
+                minutes * weight(b) / total_weight / rounds as f64
+            ))
+            .collect::<Vec<_>>()
+            .join(", ")
     );
-    let results: Vec<RunResult> = backends
-        .into_iter()
-        .map(|backend| execute(&Plan::new(backend, seed, chaos)))
-        .collect();
-    let labelled: Vec<(&RunResult, String)> = results.iter().map(|r| (r, replay.clone())).collect();
+    let began = std::time::Instant::now();
+    let mut reports: Vec<(Report, String)> = Vec::new();
+    for round in 0..rounds {
+        for &backend in &backends {
+            let segment = minutes * weight(backend) / total_weight / rounds as f64;
+            let plan = Plan::long(
+                backend,
+                seed + round,
+                Duration::from_secs_f64(segment * 60.0),
+            );
+            let replay = format!(
+                "POSTHORN_CHAOS_SEED={} POSTHORN_CHAOS_MINUTES={segment:.3} \
+                 POSTHORN_CHAOS_BACKEND={} cargo test --test chaos long_run -- --ignored \
+                 --nocapture",
+                seed + round,
+                backend.label()
+            );
+            println!(
+                "=== long run segment: round {} of {rounds}, {}, seed {}, {segment:.2} min",
+                round + 1,
+                backend.label(),
+                seed + round
+            );
+            let result = execute(&plan);
+            reports.push((result.report, replay));
+        }
+    }
+    let plain: Vec<Report> = reports.iter().map(|(r, _)| r.clone()).collect();
+    let (table, short) = long_summary(&plain);
+    println!(
+        "=== long chaos run: seed {seed}, {minutes} minutes of faults, {} segments, took {:.1} min",
+        reports.len(),
+        began.elapsed().as_secs_f64() / 60.0
+    );
+    println!("{}", table.trim_end());
+    if !short.is_empty() {
+        println!(
+            "fewer than {LONG_RUN_MIN_FAULTS} faults of: {} (a run of 30 minutes or more should \
+             reach it)",
+            short.join(", ")
+        );
+    }
+    let labelled: Vec<(&Report, String)> = reports.iter().map(|(r, s)| (r, s.clone())).collect();
     assert_clean(&labelled);
 }

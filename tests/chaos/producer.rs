@@ -7,10 +7,10 @@
 //!   timeouts make the outcome unknown; it retries with the same keys until every item has a
 //!   definite answer or the deadline passes.
 //! - [`broadcasts`]: one sequential broadcaster, the same way.
-//! - [`redis_external`]: `XADD pos-ev:{shard} * dev D type T data X` on a fresh connection per
-//!   try. Redis has no idempotency for it, so it retries only while nothing can have been
-//!   appended (connection refused, an error reply); once a command may have been executed
-//!   without an answer, the outcome stays unknown and it moves on.
+//! - [`redis_external`]: `XADD <shard's key> * dev D type T data X` on a fresh connection per
+//!   try (following `MOVED` on a cluster). Redis has no idempotency for it, so it retries only
+//!   while nothing can have been appended (connection refused, an error reply); once a command
+//!   may have been executed without an answer, the outcome stays unknown and it moves on.
 //! - [`nats_external`]: a JetStream publish with `Posthorn-Dev`, `Posthorn-Type` and
 //!   `Nats-Msg-Id` (the token), awaiting the ack, retried with the same message id.
 //!
@@ -29,7 +29,7 @@ use tokio::time::Instant;
 use super::device::Endpoints;
 use super::history::{Attempt, Clock, EventId, Outcome, Pos, Token, Via};
 use crate::support::http;
-use crate::support::redis::{RespClient, RespValue};
+use crate::support::redis::{redirect_target, RespClient, RespValue};
 
 /// How long one token (or batch) is retried before its outcome is left as it is.
 const ATTEMPT_DEADLINE: Duration = Duration::from_secs(10);
@@ -317,10 +317,15 @@ pub async fn broadcasts(ctx: Ctx, seed: u64, rate: f64, pad: (usize, usize)) {
     }
 }
 
-/// An external producer appending `device`'s unicasts to its shard's Redis stream.
+/// An external producer appending `device`'s unicasts to its shard's Redis stream `key`, on the
+/// first of `nodes` that takes it: a refused connection moves on to the next node, a `MOVED`
+/// redirect (a cluster whose slot moved, or a replica) to the node it names; both mean the
+/// command was not executed.
+#[allow(clippy::too_many_arguments)]
 pub async fn redis_external(
     ctx: Ctx,
-    redis: SocketAddr,
+    nodes: Vec<SocketAddr>,
+    key: String,
     device: String,
     shard: u32,
     seed: u64,
@@ -328,7 +333,7 @@ pub async fn redis_external(
     pad: (usize, usize),
 ) {
     let mut rng = StdRng::seed_from_u64(seed);
-    let key = format!("pos-ev:{shard}");
+    let mut node = nodes[0];
     let mut n = 0;
     while !ctx.stopping() {
         n += 1;
@@ -343,8 +348,13 @@ pub async fn redis_external(
             let args = [
                 "XADD", &key, "*", "dev", &device, "type", "chaos.x", "data", &data,
             ];
-            match RespClient::try_connect(redis).await {
-                Err(error) => answers.push(format!("connect: {}", error.kind())),
+            let mut redirected = false;
+            match RespClient::try_connect(node).await {
+                Err(error) => {
+                    answers.push(format!("connect {node}: {}", error.kind()));
+                    let i = nodes.iter().position(|&a| a == node).unwrap_or(0);
+                    node = nodes[(i + 1) % nodes.len()];
+                }
                 Ok(mut client) => match client.try_cmd(&args).await {
                     Ok(RespValue::Bulk(Some(id))) => {
                         let text = String::from_utf8_lossy(&id).into_owned();
@@ -363,8 +373,14 @@ pub async fn redis_external(
                             None => break Outcome::Unknown,
                         }
                     }
-                    // LOADING and the like: the command was refused.
-                    Ok(RespValue::Error(error)) => answers.push(format!("error {error}")),
+                    // MOVED, CLUSTERDOWN, LOADING and the like: the command was refused.
+                    Ok(reply @ RespValue::Error(_)) => {
+                        answers.push(format!("error {}", reply.as_error().unwrap_or_default()));
+                        if let Some((_, target)) = redirect_target(&reply) {
+                            node = target;
+                            redirected = true;
+                        }
+                    }
                     Ok(other) => {
                         answers.push(format!("odd reply {other:?}"));
                         break Outcome::Unknown;
@@ -378,7 +394,9 @@ pub async fn redis_external(
             if Instant::now() >= deadline || ctx.stopping() {
                 break Outcome::Failed;
             }
-            tokio::time::sleep(Duration::from_millis(rng.random_range(100..300))).await;
+            if !redirected {
+                tokio::time::sleep(Duration::from_millis(rng.random_range(100..300))).await;
+            }
         };
         ctx.finish(index, tries, outcome, answers);
         ctx.pace(&mut rng, Duration::from_secs_f64(1.0 / rate))

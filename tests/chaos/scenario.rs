@@ -1,5 +1,6 @@
 //! One chaos run: start the system, connect the devices, publish, inject faults from the
-//! seeded schedule, stop the faults, stop publishing, let every device catch up (it reads
+//! seeded schedule (on a standalone Redis that can be rolled back, with a snapshot in the
+//! middle of every pause), stop the faults, stop publishing, let every device catch up (it reads
 //! steadily from then on; the quiet period ends early once nothing is awaited), stop everything
 //! and check the history.
 
@@ -14,7 +15,7 @@ use tokio::time::Instant;
 
 use super::checker::{self, Report};
 use super::device::{self, Behaviour, Board, DeviceSpec, Endpoints, Presence};
-use super::faults::{self, BackendKind, FaultKind, System};
+use super::faults::{self, BackendKind, External, FaultKind, System};
 use super::history::{Clock, DeviceHistory, FaultRecord, History, Observation};
 use super::producer::{self, Ctx};
 
@@ -25,12 +26,18 @@ pub struct Plan {
     pub seed: u64,
     /// How long faults are injected.
     pub chaos: Duration,
+    /// Stop injecting after this many faults (and `settle` later), even before `chaos` ends.
+    pub max_faults: Option<usize>,
+    /// Time between the last fault of `max_faults` and the end of publishing.
+    pub settle: Duration,
     pub hubs: usize,
     pub devices: usize,
     /// Devices whose unicasts come from an external producer (XADD / JetStream publish).
     pub external: usize,
     /// Pause before each fault.
     pub pause: (Duration, Duration),
+    /// How long a drain waits for a hub where a slow reader has just resumed.
+    pub drain_wait: Duration,
     pub kinds: Vec<FaultKind>,
     /// Longest quiet period after publishing stopped.
     pub quiet_max: Duration,
@@ -46,15 +53,31 @@ impl Plan {
             backend,
             seed,
             chaos,
+            max_faults: None,
+            settle: Duration::from_secs(2),
             hubs: 3,
             devices: 16,
             external: 2,
             pause: (Duration::from_millis(2500), Duration::from_millis(4500)),
+            drain_wait: Duration::from_secs(10),
             kinds: FaultKind::applicable(backend),
             quiet_max: Duration::from_secs(10),
             rate: 3.0,
             slow_rate: 12.0,
             broadcast_rate: 3.0,
+        }
+    }
+}
+
+impl Plan {
+    /// A segment of a long run: [`FaultKind::long_deck`], shorter pauses and drain waits (more
+    /// faults per minute).
+    pub fn long(backend: BackendKind, seed: u64, chaos: Duration) -> Plan {
+        Plan {
+            kinds: FaultKind::long_deck(backend),
+            pause: (Duration::from_millis(1500), Duration::from_millis(3000)),
+            drain_wait: Duration::from_secs(5),
+            ..Plan::new(backend, seed, chaos)
         }
     }
 }
@@ -155,9 +178,10 @@ pub async fn run(plan: &Plan) -> RunResult {
     let external: Vec<usize> = order[..plan.external.min(n)].to_vec();
     let producer_of = |i: usize| -> &'static str {
         if external.contains(&i) {
-            match plan.backend {
-                BackendKind::Redis => "xadd",
-                BackendKind::Nats => "js-publish",
+            if plan.backend.is_redis() {
+                "xadd"
+            } else {
+                "js-publish"
             }
         } else {
             "http"
@@ -260,22 +284,19 @@ pub async fn run(plan: &Plan) -> RunResult {
         let seed = rng.random();
         if external.contains(&i) {
             let shard = faults::shard_of(&name);
-            let task = match plan.backend {
-                BackendKind::Redis => {
-                    let redis = system.redis_addr().expect("a Redis system");
-                    tokio::spawn(producer::redis_external(
-                        ctx.clone(),
-                        redis,
-                        name,
-                        shard,
-                        seed,
-                        rate,
-                        pad,
-                    ))
-                }
-                BackendKind::Nats => {
-                    let url = system.nats_url().expect("a NATS system");
-                    let client = async_nats::connect(url)
+            let task = match system.external() {
+                External::Redis(nodes) => tokio::spawn(producer::redis_external(
+                    ctx.clone(),
+                    nodes,
+                    faults::stream_key(plan.backend, shard),
+                    name,
+                    shard,
+                    seed,
+                    rate,
+                    pad,
+                )),
+                External::Nats(urls) => {
+                    let client = async_nats::connect(urls)
                         .await
                         .expect("connect the external NATS producer");
                     tokio::spawn(producer::nats_external(
@@ -331,17 +352,30 @@ pub async fn run(plan: &Plan) -> RunResult {
     let mut device_shards: Vec<u32> = names.iter().map(|d| faults::shard_of(d)).collect();
     device_shards.sort_unstable();
     device_shards.dedup();
-    let chaos_end = Instant::now() + plan.chaos;
+    let mut chaos_end = Instant::now() + plan.chaos;
     let schedule = faults::schedule(&mut rng, &plan.kinds, 10_000, plan.pause);
+    let snapshots = plan.kinds.contains(&FaultKind::RedisRollback);
     let mut records = Vec::new();
     for fault in &schedule {
         if Instant::now() + fault.pause >= chaos_end {
             break;
         }
-        tokio::time::sleep(fault.pause).await;
-        let aim = system.aim(fault, &device_shards, &board).await;
+        if snapshots {
+            // Halfway through the pause: every rollback then loses the writes of at least half
+            // a pause.
+            tokio::time::sleep(fault.pause / 2).await;
+            if let Some(what) = system.take_snapshot(&clock).await {
+                eprintln!("chaos: {} {what}", plan.backend.label());
+            }
+            tokio::time::sleep(fault.pause - fault.pause / 2).await;
+        } else {
+            tokio::time::sleep(fault.pause).await;
+        }
+        let aim = system
+            .aim(fault, &device_shards, &board, plan.drain_wait)
+            .await;
         let started = clock.now();
-        let detail = system.inject(fault, &aim).await;
+        let detail = system.inject(fault, &aim, &clock).await;
         let finished = clock.now();
         eprintln!(
             "chaos: {} {} at {}: {detail}",
@@ -355,6 +389,10 @@ pub async fn run(plan: &Plan) -> RunResult {
             finished,
             detail,
         });
+        if plan.max_faults.is_some_and(|max| records.len() >= max) {
+            chaos_end = chaos_end.min(Instant::now() + plan.settle);
+            break;
+        }
     }
     let faults_stopped = clock.now();
     tokio::time::sleep_until(chaos_end.max(Instant::now() + Duration::from_secs(1))).await;
