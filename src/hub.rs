@@ -174,6 +174,7 @@ pub fn serve(config: Config) -> Result<(), ServeError> {
             config.replay.max_concurrent,
             config.replay.cache_entries,
             config.sse.stall_timeout,
+            config.sse.heartbeat,
         ));
         let state = AppState {
             config: config.clone(),

@@ -1,4 +1,4 @@
-//! Every metric (docs/metrics.md), in one struct registered into a registry that is passed in (tests build
+//! Every metric (docs/operations.md, "Metrics to watch"), in one struct registered into a registry that is passed in (tests build
 //! their own). Label values come from enums ([`CloseReason`], [`ResyncReason`], ...), never from
 //! device ids, so cardinality is fixed. Hot-path counters are resolved to their label once.
 
@@ -217,7 +217,8 @@ impl Metrics {
             sse_slow_consumer_disconnects: counter(
                 r,
                 "sse_slow_consumer_disconnects_total",
-                "connections evicted because their bounded queue overflowed",
+                "connections evicted as too slow: their bounded queue overflowed, or their queue or replay \
+                 made no progress for sse.stall_timeout",
             ),
             sse_events_sent: counter(
                 r,

@@ -355,3 +355,44 @@ async fn readiness_delay_must_leave_time_for_closes() {
     assert_eq!(code, Some(64), "{log}");
     assert!(log.contains("drain.readiness_delay"), "{log}");
 }
+
+/// A drain that reaches a connection mid-replay whose client stopped reading cuts it off after
+/// about 2 s without progress, not at the end of the grace period (the queue's stall clock does
+/// not run while a body replays, so the drain watches the body's writes).
+#[tokio::test]
+async fn a_stopped_reader_mid_replay_is_cut_off_soon() {
+    let mut hub = Hub::builder()
+        .env("POSTHORN_SSE__SEND_BUFFER", "4096")
+        .env("POSTHORN_DRAIN__GRACE", "30s")
+        .start()
+        .await;
+    let payload = "c".repeat(500);
+    let batch: Vec<_> = (0..1000)
+        .map(|i| json!({ "device": "pos-c", "data": format!("{i}:{payload}") }))
+        .collect();
+    let response = http::post_json(hub.addr(), "/v1/events", &json!(batch)).await;
+    assert_eq!(response.status, 201);
+    let cursor = response.json()["results"][0]["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let _stalled = SseClient::connect_raw_never_read_with_headers(
+        hub.addr(),
+        "/v1/devices/pos-c/events",
+        &[("Last-Event-ID", &cursor)],
+    )
+    .await;
+    support::metrics::wait_for(hub.addr(), "replays_in_flight", &[], 1.0, WAIT).await;
+    let started = tokio::time::Instant::now();
+    hub.signal("TERM");
+    let status = hub
+        .wait_exit(Duration::from_secs(40))
+        .await
+        .expect("the hub exits");
+    assert_eq!(status.code(), Some(0), "{}", hub.stderr_log());
+    let took = started.elapsed();
+    assert!(
+        took < Duration::from_secs(10),
+        "the stopped reader held the drain for {took:?}"
+    );
+}

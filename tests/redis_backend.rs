@@ -899,3 +899,38 @@ async fn a_restart_from_a_snapshot_older_than_a_loss_gives_data_lost() {
     let mut back = resume(&hub, "pos-6", &old_life).await;
     assert_eq!(resync_reason(&back.expect_event(WAIT).await), "data_lost");
 }
+
+/// Bug pinned (found while documenting): a key answered in a life of the stream that was lost
+/// afterwards (DEL) kept answering `duplicate` with the lost event's id, and the pod took that
+/// old id for a position it had stored, so it ended the stream's healthy new life about 2 s
+/// later (a second `data_lost`). Now the key is forgotten with its life: the retry is stored
+/// anew, and the client hears of the loss once.
+#[tokio::test]
+async fn a_key_answered_in_a_lost_life_is_forgotten() {
+    let redis = RedisServer::start().await;
+    let hub = redis_hub(&redis.url()).start().await;
+    let mut connected = live_stream(&hub, "pos-9").await;
+    let event = json!({ "device": "pos-9", "data": "keyed", "key": "k-9" });
+    let first = publish(&hub, event.clone()).await.json()["results"][0].clone();
+    assert_eq!(connected.expect_event(WAIT).await.data, "keyed");
+    let key = format!("pos-ev:{}", crc_shard("pos-9", 64));
+    assert_eq!(
+        redis.client().await.cmd(&["DEL", &key]).await.as_int(),
+        Some(1)
+    );
+    assert_eq!(
+        resync_reason(&expect_resync(&mut connected).await),
+        "data_lost"
+    );
+    let retry = publish(&hub, event).await.json()["results"][0].clone();
+    assert_eq!(retry["duplicate"], false, "{retry}");
+    assert_ne!(retry["id"], first["id"]);
+    assert_eq!(connected.expect_event(WAIT).await.data, "keyed");
+    assert!(
+        matches!(
+            connected.next_event(Duration::from_secs(4)).await,
+            SseNext::Timeout
+        ),
+        "no second resync: the new life is healthy"
+    );
+}

@@ -208,3 +208,55 @@ async fn resumes_of_one_shard_share_their_backend_reads() {
     );
     assert_eq!(metric(&hub, "sse_replayed_events_total").await, delivered);
 }
+
+/// A stream waiting for a replay slot hears a `: ping` every heartbeat: the body reads only the
+/// replay channel until the replay ends, and a client that follows the contract takes three
+/// missed heartbeats for a dead connection.
+#[tokio::test]
+async fn a_stream_waiting_for_its_replay_gets_heartbeats() {
+    let hub = Hub::builder()
+        .env("POSTHORN_REPLAY__MAX_CONCURRENT", "1")
+        .env("POSTHORN_SSE__HEARTBEAT", "300ms")
+        .env("POSTHORN_SSE__STALL_TIMEOUT", "60s")
+        .env("POSTHORN_SSE__SEND_BUFFER", "4096")
+        .start()
+        .await;
+    let cursors = publish_all(
+        &hub,
+        vec![
+            json!({"device": "pos-1", "data": "cursor"}),
+            json!({"device": "pos-2", "data": "cursor"}),
+        ],
+    )
+    .await;
+    let payload = "h".repeat(500);
+    let backlog = (0..2000)
+        .map(|i| json!({"device": "pos-1", "data": format!("{i}:{payload}")}))
+        .collect();
+    publish_all(&hub, backlog).await;
+    // Holds the only slot: its client reads nothing, so its replay cannot finish.
+    let _holder = SseClient::connect_raw_never_read_with_headers(
+        hub.addr(),
+        &stream_path("pos-1"),
+        &[("Last-Event-ID", &cursors[0])],
+    )
+    .await;
+    wait_metric(&hub, "replays_in_flight", 1.0).await;
+    let mut waiting = SseClient::connect(
+        hub.addr(),
+        &stream_path("pos-2"),
+        &[("Last-Event-ID", &cursors[1])],
+    )
+    .await;
+    wait_metric(&hub, "replays_waiting", 1.0).await;
+    assert!(matches!(
+        waiting.next_event(Duration::from_millis(1500)).await,
+        support::SseNext::Timeout
+    ));
+    let pings = waiting
+        .comments
+        .iter()
+        .filter(|c| c.trim() == "ping")
+        .count();
+    assert!(pings >= 3, "{pings} pings in 1.5 s: {:?}", waiting.comments);
+}

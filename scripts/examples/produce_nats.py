@@ -13,7 +13,9 @@ and nats-py (`pip install nats-py`).
 
 Use the same --shards / --subject-prefix as the hub's [nats] section, otherwise events land on
 subjects no device reads. With --key, JetStream drops a repeat within the stream's duplicate
-window (publish.dedupe_window) and answers with the original sequence.
+window (publish.dedupe_window) and answers with the original sequence; the message id has the
+form the hub uses (d/<device>/<key>, b/<shard>/<key>), so it also deduplicates against the same
+key published through POST /v1/events.
 """
 
 import argparse
@@ -44,8 +46,9 @@ async def publish(args):
     for shard, dev in copies:
         headers = {"Posthorn-Dev": dev, "Posthorn-Type": args.type}
         if args.key:
-            # One key per broadcast copy, so JetStream does not drop copies 1..n as repeats.
-            headers["Nats-Msg-Id"] = f"{args.key}:{shard}" if args.broadcast else args.key
+            # The hub's own message ids (docs/stream-format.md): scoped to the target, one per
+            # broadcast copy, so a repeat here and a retry through POST /v1/events are one event.
+            headers["Nats-Msg-Id"] = f"b/{shard}/{args.key}" if args.broadcast else f"d/{dev}/{args.key}"
         subject = f"{args.subject_prefix}.{shard}"
         ack = await js.publish(subject, args.data.encode("utf-8"), headers=headers)
         if not args.broadcast:

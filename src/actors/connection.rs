@@ -50,7 +50,7 @@ use crate::{
         body::SseBody,
         control::StreamControl,
         frame,
-        queue::{self, QueueProbe, QueueSender},
+        queue::{self, QueueSender},
         QueueItem,
     },
 };
@@ -201,8 +201,6 @@ pub struct Connection {
     resume: Option<(String, mpsc::Sender<QueueItem>)>,
     /// The replay while it runs, so a drain can stop it.
     replaying: Option<SpawnHandle>,
-    /// Watches the client's progress after our sender is gone (a drain's flush).
-    probe: QueueProbe,
     /// `sse.stall_timeout`: a drain's flush gives up on a client that long without progress.
     stall_timeout: Duration,
     /// Resolves when the Router has our registration queued: the replay must not start earlier.
@@ -272,7 +270,6 @@ impl Connection {
             id,
             device: stream.device,
             shard: stream.shard,
-            probe: queue.probe(),
             stall_timeout: stream.stall_timeout,
             queue: Some(queue),
             resume,
@@ -319,10 +316,9 @@ impl Connection {
             stall_timeout => stall_timeout.min(DRAIN_STALL),
         };
         ctx.run_interval(FLUSH_CHECK, move |connection, ctx| {
-            let stalled = connection
-                .probe
-                .stalled_for(Instant::now())
-                .is_some_and(|waited| waited >= patience);
+            // No bytes handed to the socket for that long: the client stopped reading (what is
+            // left waits in the replay channel, the queue, or the socket's buffers).
+            let stalled = connection.control.idle_for() >= patience;
             if stalled || Instant::now() >= deadline {
                 log::debug!(
                     "stream of {} cut off: its client did not take what was left",

@@ -39,7 +39,8 @@ pub enum Command {
     Tail(tail::TailArgs),
     /// Mint a JWT with the configured HS256 secret (device or scopes).
     Token(token::TokenArgs),
-    /// Load tester: idle, storm, fanout, slow and drain scenarios against posthorn or nchan.
+    /// Load tester: idle, storm, fanout, slow, drain and resume scenarios against posthorn or
+    /// nchan.
     Loadtest(crate::loadtest::LoadtestArgs),
 }
 

@@ -1,5 +1,5 @@
 //! `POST /v1/events`: one object or an array, validated as a whole, appended in one backend call,
-//! answered in input order with each event's SSE id (docs/http-api.md). When only part of a
+//! answered in input order with each event's SSE id (docs/operations.md, "Publishing answers"). When only part of a
 //! batch was stored (one of several Redis instances or node groups down, unacknowledged NATS
 //! publishes), the answer is 207 and names per item its id or why it has none; a batch of which
 //! nothing is known to be stored is a 503.
@@ -72,7 +72,7 @@ pub async fn publish(
     })
 }
 
-/// The `error` of an item that has no id (docs/http-api.md).
+/// The `error` of an item that has no id (docs/operations.md, "Publishing answers").
 fn failure_code(failure: &ItemFailure) -> &'static str {
     match failure {
         ItemFailure::NotAppended(_) => "not_appended",

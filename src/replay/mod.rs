@@ -9,7 +9,10 @@
 //! Not an actor: each Connection runs its own replay as a future, and they meet here. A replay
 //! sends either every retained event of its device after the cursor, or one `resync`, through
 //! the connection's replay channel, then `ReplayEnd`. A replay whose client takes nothing for
-//! `sse.stall_timeout` gives its slot up (the Connection evicts the client).
+//! `sse.stall_timeout` gives its slot up (the Connection evicts the client). While it waits for a
+//! slot, its stream gets a `: ping` every `sse.heartbeat` through the replay channel (the body
+//! reads nothing else before the replay ends), so a waiting client does not take the silence
+//! for a dead connection.
 
 mod window;
 
@@ -52,6 +55,8 @@ pub struct Replayer {
     budget: Arc<CacheBudget>,
     /// A client that takes nothing of its replay for this long is stalled (zero: never).
     stall_timeout: Duration,
+    /// `sse.heartbeat`, kept while a replay waits for its slot.
+    heartbeat: Duration,
 }
 
 impl Replayer {
@@ -61,6 +66,7 @@ impl Replayer {
         max_concurrent: usize,
         cache_entries: usize,
         stall_timeout: Duration,
+        heartbeat: Duration,
     ) -> Self {
         Self {
             backend,
@@ -69,6 +75,7 @@ impl Replayer {
             windows: Mutex::new(HashMap::new()),
             budget: Arc::new(CacheBudget::new(cache_entries)),
             stall_timeout,
+            heartbeat,
         }
     }
 
@@ -84,11 +91,20 @@ impl Replayer {
     ) -> Result<(), ReplayError> {
         let window = WindowUse::new(self, shard);
         let waiting = GaugeGuard::new(&self.metrics.replays_waiting);
-        let _slot = self
-            .slots
-            .acquire()
-            .await
-            .expect("the replay semaphore is never closed");
+        // One acquire for the whole wait: its place in the queue is its order of arrival.
+        let acquire = self.slots.acquire();
+        tokio::pin!(acquire);
+        let mut heartbeat =
+            tokio::time::interval_at(tokio::time::Instant::now() + self.heartbeat, self.heartbeat);
+        let _slot = loop {
+            tokio::select! {
+                slot = &mut acquire => break slot.expect("the replay semaphore is never closed"),
+                _ = heartbeat.tick() => {
+                    // A full channel already has something for the client to read.
+                    let _ = out.try_send(QueueItem::Ping);
+                }
+            }
+        };
         drop(waiting);
         let _running = GaugeGuard::new(&self.metrics.replays_in_flight);
         let result = self

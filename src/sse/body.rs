@@ -287,7 +287,10 @@ impl MessageBody for SseBody {
             }
         }
         match chunk.into_bytes() {
-            Some(bytes) => Poll::Ready(Some(Ok(bytes))),
+            Some(bytes) => {
+                this.control.wrote();
+                Poll::Ready(Some(Ok(bytes)))
+            }
             None if this.ended && this.control.is_aborted() => Poll::Ready(Some(Err(Evicted))),
             None if this.ended => Poll::Ready(None),
             None => Poll::Pending,

@@ -17,10 +17,10 @@
 use std::{
     os::fd::{BorrowedFd, RawFd},
     sync::{
-        atomic::{AtomicBool, AtomicU32, Ordering},
+        atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering},
         Mutex,
     },
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 /// The fd of a TCP connection, recorded by the HTTP service's `on_connect_ext` hook.
@@ -33,15 +33,33 @@ pub struct StreamControl {
     aborted: AtomicBool,
     /// `retry:` (ms) the body writes after the last queued frame of a clean end; 0 = none.
     closing_retry_ms: AtomicU32,
+    created: Instant,
+    /// When the body last handed bytes to the socket, in ms after `created`: a drain cuts off a
+    /// client that stops taking what is left.
+    written_ms: AtomicU64,
 }
 
 impl StreamControl {
     pub fn new(fd: Option<RawFd>) -> Self {
         Self {
+            created: Instant::now(),
+            written_ms: AtomicU64::new(0),
             fd: Mutex::new(fd),
             aborted: AtomicBool::new(false),
             closing_retry_ms: AtomicU32::new(0),
         }
+    }
+
+    /// The body handed bytes to the socket.
+    pub fn wrote(&self) {
+        let ms = self.created.elapsed().as_millis() as u64;
+        self.written_ms.store(ms, Ordering::Relaxed);
+    }
+
+    /// How long since the body last handed bytes to the socket.
+    pub fn idle_for(&self) -> Duration {
+        let written = Duration::from_millis(self.written_ms.load(Ordering::Relaxed));
+        self.created.elapsed().saturating_sub(written)
     }
 
     pub fn set_closing_retry(&self, retry_ms: u32) {

@@ -124,26 +124,6 @@ impl QueueSender {
     pub fn stalled_for(&self, now: Instant) -> Option<Duration> {
         self.shared.stalled_for(now)
     }
-
-    /// A view of the client's progress that does not keep the stream open.
-    pub fn probe(&self) -> QueueProbe {
-        QueueProbe {
-            shared: self.shared.clone(),
-        }
-    }
-}
-
-/// Watches the client's progress after the senders are gone (a drain flushing what is left).
-#[derive(Debug)]
-pub struct QueueProbe {
-    shared: Arc<Shared>,
-}
-
-impl QueueProbe {
-    /// See [`QueueSender::stalled_for`].
-    pub fn stalled_for(&self, now: Instant) -> Option<Duration> {
-        self.shared.stalled_for(now)
-    }
 }
 
 impl Clone for QueueSender {

@@ -509,13 +509,14 @@ impl Inner {
                 let cursor = reply::text(&pair[0])
                     .and_then(|text| Cursor::parse(text).ok())
                     .ok_or_else(|| bad_reply("append cursor"))?;
-                self.watermarks
-                    .saw(cursor.shard, &cursor.epoch, cursor.position);
+                let duplicate = matches!(pair[1], Value::Integer(1));
+                // What this request stored; a duplicate's entry may be long trimmed.
+                if !duplicate {
+                    self.watermarks
+                        .saw(cursor.shard, &cursor.epoch, cursor.position);
+                }
                 if let Some(index) = answers {
-                    answered[*index] = Some(Appended {
-                        cursor,
-                        duplicate: matches!(pair[1], Value::Integer(1)),
-                    });
+                    answered[*index] = Some(Appended { cursor, duplicate });
                 }
             }
         }

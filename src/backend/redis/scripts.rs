@@ -52,7 +52,8 @@ end
 /// then per item: dedupe key index (0 = none), dev, type, data, key, stream count, then per
 /// stream its key index and shard. Returns per item the cursor of its first stream and whether
 /// it was a duplicate: `{cursor, 0|1, cursor, 0|1, ...}`. A dedupe key holds the cursor it was
-/// answered with, so a duplicate gets the original's id.
+/// answered with, so a duplicate gets the original's id; a key answered in a life of the stream
+/// that has ended is forgotten (its event was lost with that life).
 pub const APPEND: &str = with_helpers!(
     r#"
 local out = {}
@@ -66,7 +67,20 @@ for _ = 1, tonumber(ARGV[5]) do
   local first = at + 6
   at = first + 2 * streams
   local previous = false
-  if dedupe > 0 then previous = redis.call('GET', KEYS[dedupe]) end
+  if dedupe > 0 then
+    previous = redis.call('GET', KEYS[dedupe])
+    if previous then
+      -- Answered in a life of the stream that has ended since: that event is lost, so the key is
+      -- forgotten with it.
+      local stream, shard = KEYS[tonumber(ARGV[first])], ARGV[first + 1]
+      local epoch = lives[stream]
+      if not epoch then
+        epoch = life(stream, ARGV[1] .. shard)
+        lives[stream] = epoch
+      end
+      if string.sub(previous, 1, #epoch + 1) ~= epoch .. '.' then previous = false end
+    end
+  end
   if previous then
     table.insert(out, previous)
     table.insert(out, 1)
