@@ -983,6 +983,9 @@ mod tests {
         assert_eq!(c.nats.subject_prefix, "posthorn.ev");
         assert_eq!(c.nats.retention, Duration::from_secs(15 * 60));
         assert_eq!(c.nats.shards, 64);
+        assert_eq!(c.nats.replicas, 1);
+        assert_eq!(c.replay.max_concurrent, 256);
+        assert_eq!(c.replay.cache_entries, 500_000);
         assert_eq!(c.sse.queue_limit, 256);
         assert_eq!(c.sse.heartbeat, Duration::from_secs(20));
         assert_eq!(c.sse.send_buffer, 32_768);
@@ -1175,6 +1178,29 @@ mod tests {
         let text = err_text("[drain]\nretry_min = \"2m\"\nretry_max = \"1m\"\n", &[]);
         assert!(text.starts_with("drain.retry_min: "), "{text}");
         assert!(text.contains("2m"), "{text}");
+    }
+
+    /// `[replay]` and `nats.replicas` take their ranges; `nats.url` may list cluster nodes but
+    /// no empty one.
+    #[test]
+    fn replay_and_nats_cluster_keys() {
+        let c = load(
+            "[replay]\nmax_concurrent = 2\ncache_entries = 0\n[nats]\nreplicas = 3\n\
+             url = \"nats://a:4222,nats://b:4222\"\n",
+            &[],
+        )
+        .unwrap();
+        assert_eq!((c.replay.max_concurrent, c.replay.cache_entries), (2, 0));
+        assert_eq!(c.nats.replicas, 3);
+        for (text, key) in [
+            ("[replay]\nmax_concurrent = 0\n", "replay.max_concurrent"),
+            ("[replay]\ncache_entries = -1\n", "replay.cache_entries"),
+            ("[nats]\nreplicas = 6\n", "nats.replicas"),
+            ("[nats]\nurl = \"nats://a:4222,\"\n", "nats.url"),
+        ] {
+            let error = err_text(text, &[]);
+            assert!(error.starts_with(&format!("{key}: ")), "{error}");
+        }
     }
 
     /// jwt mode needs exactly one of secret and public key file.

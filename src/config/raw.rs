@@ -275,7 +275,7 @@ mod tests {
     #[test]
     fn schema_is_sections_of_plain_values() {
         let schema = schema();
-        assert_eq!(schema.len(), 10);
+        assert_eq!(schema.len(), 11);
         for (section, table) in &schema {
             let table = table
                 .as_table()
