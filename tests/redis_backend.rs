@@ -934,3 +934,50 @@ async fn a_key_answered_in_a_lost_life_is_forgotten() {
         "no second resync: the new life is healthy"
     );
 }
+
+/// Periodic trimming runs in one pod at a time: the pods of one Redis share a lease key per
+/// node group (`{prefix}:trim-lease`) that names its holder; a pod that stops gives the lease
+/// up at once (a token-checked delete), and another pod takes it over at its next trim.
+#[tokio::test]
+async fn one_pod_at_a_time_trims_and_hands_over_when_it_stops() {
+    let redis = RedisServer::start().await;
+    // Retention 6 s: each pod tries to trim every 3 s, and a lease lasts 9 s.
+    let pod = || redis_hub(&redis.url()).env("POSTHORN_REDIS__RETENTION", "6s");
+    let mut first = pod().start().await;
+    let mut admin = redis.client().await;
+    let holder = |reply: support::RespValue| reply.as_str().map(str::to_string);
+    let deadline = tokio::time::Instant::now() + WAIT;
+    let first_token = loop {
+        if let Some(token) = holder(admin.cmd(&["GET", "pos-ev:trim-lease"]).await) {
+            break token;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no pod took the trim lease"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let second = pod().start().await;
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    assert_eq!(
+        holder(admin.cmd(&["GET", "pos-ev:trim-lease"]).await).as_deref(),
+        Some(first_token.as_str()),
+        "the first pod keeps the lease while it runs"
+    );
+    first.signal("TERM");
+    assert_eq!(first.wait_exit(WAIT).await.and_then(|s| s.code()), Some(0));
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        match holder(admin.cmd(&["GET", "pos-ev:trim-lease"]).await) {
+            Some(token) if token != first_token => break,
+            _ => {}
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the second pod did not take the lease over within 5 s (its next trim, within 3 s; \
+             a lease left to expire lasts up to 9 s)"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    drop(second);
+}
