@@ -229,6 +229,39 @@ async fn idle_storm_and_drain_scenarios_report_what_happened() {
     assert!(hub.wait_exit(Duration::from_secs(10)).await.is_some());
 }
 
+/// `resume`: clients take a cursor, events are published while they are away, then all come
+/// back at once; the report counts every replayed delivery, and the hub's replay counters are
+/// read (here every entry of the memory log is read once per replay page it is in).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn resume_scenario_counts_every_replayed_delivery() {
+    let hub = Hub::builder().start().await;
+    let url = hub.base_url();
+    let report = run_ok(&[
+        "resume",
+        "--url",
+        &url,
+        "-n",
+        "40",
+        "--rate",
+        "400",
+        "--away",
+        "1s",
+        "--time-limit",
+        "60s",
+    ])
+    .await;
+    assert_eq!(report["scenario"], "resume");
+    assert_eq!(u(&report["caught_up"]), 40, "{report}");
+    assert_eq!(u(&report["totals"]["expected"]), 400);
+    assert_eq!(u(&report["totals"]["lost"]), 0, "{report}");
+    assert_eq!(u(&report["totals"]["duplicates"]), 0, "{report}");
+    assert_eq!(report["replayed_events"].as_f64(), Some(400.0), "{report}");
+    let per_event = report["entries_read_per_delivered_event"]
+        .as_f64()
+        .unwrap_or_else(|| panic!("{report}"));
+    assert!(per_event <= 2.0, "{report}");
+}
+
 #[tokio::test]
 async fn remote_targets_and_unbounded_runs_are_refused() {
     let (code, _, text) = loadtest(&["idle", "--url", "http://10.0.0.1:8080", "-n", "1"]).await;

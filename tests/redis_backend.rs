@@ -631,18 +631,13 @@ async fn a_restart_from_an_older_snapshot_gives_data_lost() {
     let mut redis = RedisServer::start().await;
     let hub = redis_hub(&redis.url()).start().await;
     let before_snapshot = publish_to(&hub, "pos-3", "before 1").await;
-    let mut admin = redis.client().await;
-    assert!(admin.cmd(&["SAVE"]).await.is_ok());
-    let snapshot = redis.dir().join("older.rdb");
-    std::fs::copy(redis.dir().join("dump.rdb"), &snapshot).expect("copy the snapshot");
+    let snapshot = redis.snapshot().await;
     let mut connected = live_stream(&hub, "pos-3").await;
     let after_snapshot = publish_to(&hub, "pos-3", "before 2").await;
     publish_to(&hub, "pos-3", "before 3").await;
     connected.expect_events(2, WAIT).await;
 
-    redis.stop().await;
-    std::fs::copy(&snapshot, redis.dir().join("dump.rdb")).expect("restore the snapshot");
-    redis.start_again().await;
+    redis.restart_from(&snapshot).await;
     assert_eq!(
         resync_reason(&expect_resync(&mut connected).await),
         "data_lost"
@@ -863,10 +858,8 @@ async fn a_restart_from_a_snapshot_older_than_a_loss_gives_data_lost() {
     let hub = redis_hub(&redis.url()).start().await;
     let mut connected = live_stream(&hub, "pos-6").await;
     let old_life = publish_to(&hub, "pos-6", "before 1").await;
+    let snapshot = redis.snapshot().await;
     let mut admin = redis.client().await;
-    assert!(admin.cmd(&["SAVE"]).await.is_ok());
-    let snapshot = redis.dir().join("older.rdb");
-    std::fs::copy(redis.dir().join("dump.rdb"), &snapshot).expect("copy the snapshot");
     publish_to(&hub, "pos-6", "before 2").await;
     connected.expect_events(2, WAIT).await;
     let key = format!("pos-ev:{}", crc_shard("pos-6", 64));
@@ -878,9 +871,7 @@ async fn a_restart_from_a_snapshot_older_than_a_loss_gives_data_lost() {
     );
     assert_eq!(connected.expect_event(WAIT).await.data, "second life");
 
-    redis.stop().await;
-    std::fs::copy(&snapshot, redis.dir().join("dump.rdb")).expect("restore the snapshot");
-    redis.start_again().await;
+    redis.restart_from(&snapshot).await;
     let resync = connected.expect_event(WAIT).await;
     assert_eq!(resync_reason(&resync), "data_lost");
     let epoch = |id: &str| id.split('.').next().unwrap().to_string();

@@ -353,6 +353,43 @@ impl Run {
         })
     }
 
+    /// Opens every stream, hands each a cursor with one broadcast, and closes them again:
+    /// the clients of a storm or a resume are devices that were connected before.
+    async fn take_cursors(&self, options: &PublishOptions) -> Result<Vec<String>, LoadtestError> {
+        /// Longest wait for the broadcast that hands every client its cursor.
+        const CURSOR_WAIT: Duration = Duration::from_secs(30);
+        let mut streams = self.open_all(None).await?;
+        let mut publisher = self.publisher(options).await?;
+        let data = payload::Stamp {
+            seq: 0,
+            sent_us: payload::now_us(),
+            target: None,
+        }
+        .encode(payload::MIN_SIZE);
+        publisher
+            .publish(&self.devices, &[publisher::Outgoing { device: None, data }])
+            .await
+            .map_err(failed("publishing the cursor broadcast failed"))?;
+        tokio::time::timeout(
+            CURSOR_WAIT,
+            futures_util::future::try_join_all(streams.iter_mut().map(|stream| async move {
+                let mut buf = vec![0u8; 4096];
+                let mut got = false;
+                while !got {
+                    if !stream.read_events(&mut buf, |_| got = true).await? {
+                        return Err(io::Error::other("closed before the broadcast"));
+                    }
+                }
+                Ok::<_, io::Error>(stream.counters.last_id.clone())
+            })),
+        )
+        .await
+        .map_err(|_| {
+            LoadtestError::Failed("the cursor broadcast did not reach every client".into())
+        })?
+        .map_err(failed("waiting for the cursor broadcast"))
+    }
+
     async fn publisher(
         &self,
         options: &PublishOptions,

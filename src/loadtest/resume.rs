@@ -17,16 +17,12 @@ use std::{
 use serde_json::json;
 
 use super::{
-    emit, failed,
+    emit,
     fanout::{publish_paced, Plan, ReaderSet},
-    payload,
     probe::{self, CpuMeter},
-    publisher::Outgoing,
     Common, LoadtestError, Mode, PublishOptions, Run,
 };
 
-/// Longest wait for the broadcast that hands every client its cursor.
-const CURSOR_WAIT: Duration = Duration::from_secs(30);
 /// How often the server's memory is sampled during the storm.
 const MEMORY_SAMPLE: Duration = Duration::from_millis(100);
 
@@ -56,7 +52,7 @@ pub struct ResumeArgs {
 pub async fn run(run: &Run, args: &ResumeArgs) -> Result<(), LoadtestError> {
     let n = run.devices.len();
     let plan = Plan::new(Mode::Unicast, args.rate, args.away, args.size, n)?;
-    let cursors = take_cursors(run, args).await?;
+    let cursors = run.take_cursors(&args.publish).await?;
 
     let mut publisher = run.publisher(&args.publish).await?;
     println!(
@@ -174,38 +170,4 @@ pub async fn run(run: &Run, args: &ResumeArgs) -> Result<(), LoadtestError> {
         "cpu": cpu,
     }));
     Ok(())
-}
-
-/// Opens every stream, hands each a cursor with one broadcast, and closes them again.
-async fn take_cursors(run: &Run, args: &ResumeArgs) -> Result<Vec<String>, LoadtestError> {
-    let mut streams = run.open_all(None).await?;
-    let mut publisher = run.publisher(&args.publish).await?;
-    let data = payload::Stamp {
-        seq: 0,
-        sent_us: payload::now_us(),
-        target: None,
-    }
-    .encode(payload::MIN_SIZE);
-    publisher
-        .publish(&run.devices, &[Outgoing { device: None, data }])
-        .await
-        .map_err(failed("publishing the cursor broadcast failed"))?;
-    let cursors = tokio::time::timeout(
-        CURSOR_WAIT,
-        futures_util::future::try_join_all(streams.iter_mut().map(|stream| async move {
-            let mut buf = vec![0u8; 4096];
-            let mut got = false;
-            while !got {
-                if !stream.read_events(&mut buf, |_| got = true).await? {
-                    return Err(std::io::Error::other("closed before the broadcast"));
-                }
-            }
-            Ok::<_, std::io::Error>(stream.counters.last_id.clone())
-        })),
-    )
-    .await
-    .map_err(|_| LoadtestError::Failed("the cursor broadcast did not reach every client".into()))?
-    .map_err(failed("waiting for the cursor broadcast"))?;
-    drop(streams);
-    Ok(cursors)
 }

@@ -7,15 +7,8 @@ use std::time::Duration;
 use serde_json::json;
 
 use super::{
-    emit, failed, payload,
-    probe::CpuMeter,
-    publisher::{Outgoing, Publisher},
-    tally::LatencySummary,
-    Common, LoadtestError, PublishOptions, Run,
+    emit, probe::CpuMeter, tally::LatencySummary, Common, LoadtestError, PublishOptions, Run,
 };
-
-/// Longest wait for the broadcast that hands every client its cursor.
-const CURSOR_WAIT: Duration = Duration::from_secs(30);
 
 #[derive(Debug, clap::Args)]
 pub struct StormArgs {
@@ -33,35 +26,7 @@ pub struct StormArgs {
 
 pub async fn run(run: &Run, args: &StormArgs) -> Result<(), LoadtestError> {
     let n = run.devices.len();
-    let mut streams = run.open_all(None).await?;
-    let mut publisher: Publisher = run.publisher(&args.publish).await?;
-    let data = payload::Stamp {
-        seq: 0,
-        sent_us: payload::now_us(),
-        target: None,
-    }
-    .encode(payload::MIN_SIZE);
-    publisher
-        .publish(&run.devices, &[Outgoing { device: None, data }])
-        .await
-        .map_err(failed("publishing the cursor broadcast failed"))?;
-    let cursors = tokio::time::timeout(
-        CURSOR_WAIT,
-        futures_util::future::try_join_all(streams.iter_mut().map(|stream| async move {
-            let mut buf = vec![0u8; 4096];
-            let mut got = false;
-            while !got {
-                if !stream.read_events(&mut buf, |_| got = true).await? {
-                    return Err(std::io::Error::other("closed before the broadcast"));
-                }
-            }
-            Ok::<_, std::io::Error>(stream.counters.last_id.clone())
-        })),
-    )
-    .await
-    .map_err(|_| LoadtestError::Failed("the cursor broadcast did not reach every client".into()))?
-    .map_err(failed("waiting for the cursor broadcast"))?;
-    drop(streams);
+    let cursors = run.take_cursors(&args.publish).await?;
     println!(
         "storm: {n} clients hold a cursor (e.g. {:?}); reconnecting all at once in {:?}",
         cursors.first().map(String::as_str).unwrap_or(""),

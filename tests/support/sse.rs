@@ -228,25 +228,7 @@ impl SseClient {
             stream
                 .write_all(&encode_request(addr, "GET", path, &all_headers, None))
                 .await?;
-            let mut leftover = Vec::new();
-            let head = read_head(&mut stream, &mut leftover).await?;
-            let framing = BodyFraming::for_response("GET", &head)?;
-            let mut client = SseClient {
-                stream,
-                addr,
-                path: path.to_string(),
-                status: head.status,
-                headers: head.headers,
-                framing,
-                decoder: SseDecoder::new(),
-                pending: VecDeque::new(),
-                closed: false,
-                retry: None,
-                comments: Vec::new(),
-                raw: Vec::new(),
-            };
-            client.ingest(&leftover);
-            Ok(client)
+            Self::read_response(stream, addr, path).await
         };
         tokio::time::timeout(IO_TIMEOUT, connect)
             .await
@@ -260,18 +242,27 @@ impl SseClient {
 
     /// Starts reading a stream opened with [`SseClient::connect_raw_never_read`] (the request
     /// is sent, nothing was read yet): the response head, then events as usual.
-    pub async fn connect_raw_reader(mut stream: TcpStream) -> SseClient {
+    pub async fn connect_raw_reader(stream: TcpStream) -> SseClient {
         let addr = stream.peer_addr().expect("a connected stream");
-        let mut leftover = Vec::new();
-        let head = tokio::time::timeout(IO_TIMEOUT, read_head(&mut stream, &mut leftover))
+        tokio::time::timeout(IO_TIMEOUT, Self::read_response(stream, addr, ""))
             .await
             .unwrap_or_else(|_| panic!("no SSE response head from {addr} within {IO_TIMEOUT:?}"))
-            .unwrap_or_else(|e| panic!("SSE response head from {addr}: {e}"));
-        let framing = BodyFraming::for_response("GET", &head).expect("an SSE body");
+            .unwrap_or_else(|e| panic!("SSE response head from {addr}: {e}"))
+    }
+
+    /// Reads the response head of a request sent on `stream` and whatever body came with it.
+    async fn read_response(
+        mut stream: TcpStream,
+        addr: SocketAddr,
+        path: &str,
+    ) -> io::Result<SseClient> {
+        let mut leftover = Vec::new();
+        let head = read_head(&mut stream, &mut leftover).await?;
+        let framing = BodyFraming::for_response("GET", &head)?;
         let mut client = SseClient {
             stream,
             addr,
-            path: String::new(),
+            path: path.to_string(),
             status: head.status,
             headers: head.headers,
             framing,
@@ -283,7 +274,7 @@ impl SseClient {
             raw: Vec::new(),
         };
         client.ingest(&leftover);
-        client
+        Ok(client)
     }
 
     pub fn status(&self) -> u16 {
