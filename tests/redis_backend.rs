@@ -972,3 +972,56 @@ async fn one_pod_at_a_time_trims_and_hands_over_when_it_stops() {
     }
     drop(second);
 }
+
+/// Found in review: a retried broadcast whose key was remembered with its copy on the group's
+/// first stream was appended to every stream again when that one stream had lost its life (a
+/// DEL): devices on the other shards got it twice. A broadcast's key now stands; a device's key
+/// is forgotten with its stream's life (`a_key_answered_in_a_lost_life_is_forgotten`). With
+/// `publish.dedupe_window = 0s` nothing is remembered and a keyed publish still works.
+#[tokio::test]
+async fn a_broadcast_key_stands_when_one_of_its_streams_is_lost() {
+    let redis = RedisServer::start().await;
+    let hub = redis_hub(&redis.url()).start().await;
+    assert_ne!(crc_shard("pos-17", 64), 0);
+    let mut other_shard = live_stream(&hub, "pos-17").await;
+    let broadcast = json!({ "broadcast": true, "data": "once", "key": "b-1" });
+    assert_eq!(publish(&hub, broadcast.clone()).await.status, 201);
+    assert_eq!(other_shard.expect_event(WAIT).await.data, "once");
+    assert_eq!(
+        redis
+            .client()
+            .await
+            .cmd(&["DEL", "pos-ev:0"])
+            .await
+            .as_int(),
+        Some(1)
+    );
+    let retry = publish(&hub, broadcast).await;
+    assert_eq!(
+        retry.json()["results"][0]["duplicate"],
+        true,
+        "{}",
+        retry.text()
+    );
+    assert!(
+        matches!(
+            other_shard.next_event(Duration::from_secs(1)).await,
+            SseNext::Timeout
+        ),
+        "no second copy"
+    );
+
+    let forgetful = redis_hub(&redis.url())
+        .env("POSTHORN_PUBLISH__DEDUPE_WINDOW", "0s")
+        .start()
+        .await;
+    for _ in 0..2 {
+        let keyed = publish(
+            &forgetful,
+            json!({ "device": "pos-2", "data": "x", "key": "k" }),
+        )
+        .await;
+        assert_eq!(keyed.status, 201, "{}", keyed.text());
+        assert_eq!(keyed.json()["results"][0]["duplicate"], false);
+    }
+}

@@ -310,6 +310,8 @@ impl Connection {
             ctx.cancel_future(replay);
         }
         self.queue = None;
+        // A client that was idle before the drain has not stopped reading: count from now.
+        self.control.wrote();
         let deadline = Instant::now() + flush_within;
         let patience = match self.stall_timeout {
             Duration::ZERO => DRAIN_STALL,

@@ -121,7 +121,10 @@ impl Window {
         let done = page.read < REPLAY_PAGE;
         let reached = page.last.unwrap_or(after);
         let end_seen = done.then_some(started);
-        if cached.epoch.as_ref() != Some(&page.epoch) {
+        if &page.epoch != epoch {
+            // Not the reader's life (a loss while it replayed, or a page labelled after a
+            // re-creation): the reader starts over; nothing of it is kept.
+        } else if cached.epoch.as_ref() != Some(&page.epoch) {
             // Nothing cached yet, or of a life that is gone: start over with this page.
             cached.clear(budget);
             if budget.take(page.events.len()) {

@@ -255,8 +255,11 @@ impl MessageBody for SseBody {
                     }
                 }
                 QueueItem::Floor { epoch, position } => {
+                    // The client's cursor is of this life: a `data_lost` into it (a tail here
+                    // that finds the loss after another pod told the client) is no news.
                     this.epoch = Some(epoch);
                     this.floor = Some(position);
+                    this.resynced_to = Some(epoch);
                 }
                 QueueItem::Ping => {
                     pings += 1;

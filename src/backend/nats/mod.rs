@@ -423,8 +423,17 @@ impl Inner {
                 }
             }
             let mut acked = 0;
-            for (index, shard, ack) in window.drain(..) {
-                match ack.await {
+            // Awaited together: an ack's timeout starts when it is first polled, so awaiting one
+            // after the other would let a silent server hold a request for the window's length
+            // times the timeout.
+            let acks = futures_util::future::join_all(
+                window
+                    .drain(..)
+                    .map(|(index, shard, ack)| async move { (index, shard, ack.await) }),
+            )
+            .await;
+            for (index, shard, ack) in acks {
+                match ack {
                     Ok(ack) => {
                         acked += 1;
                         let item = &mut items[index];

@@ -132,6 +132,11 @@ impl Watermarks {
     fn saw(&self, shard: u32, epoch: &Epoch, position: Position) {
         let mut marks = self.lock();
         let marks = &mut marks[shard as usize];
+        if marks.ended.contains(epoch) {
+            // A late answer of a life that has ended since (an append that ran before a DEL):
+            // it must not make that life current again, nor end the one that replaced it.
+            return;
+        }
         match &mut marks.newest {
             Some((known, newest)) if known == epoch => *newest = (*newest).max(position),
             newest => {
@@ -795,6 +800,21 @@ impl Backend for RedisBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A newer life ends the older one; a late word of an ended life changes nothing.
+    #[test]
+    fn watermarks_follow_lives_forward_only() {
+        let marks = Watermarks::new(1);
+        let (e1, e2) = (Epoch::new("e1").unwrap(), Epoch::new("e2").unwrap());
+        marks.saw(0, &e1, Position::new(5, 0));
+        marks.saw(0, &e1, Position::new(3, 0));
+        assert_eq!(marks.of(0), Some((e1.clone(), Position::new(5, 0))));
+        marks.saw(0, &e2, Position::new(1, 0));
+        assert!(marks.ended(0, &e1));
+        marks.saw(0, &e1, Position::new(9, 0));
+        assert_eq!(marks.of(0), Some((e2.clone(), Position::new(1, 0))));
+        assert!(!marks.ended(0, &e2));
+    }
 
     /// What trimming removed: exactly the deleted entries while nothing was trimmed, else
     /// everything before the first remaining entry, or the whole stream when none remains.

@@ -52,8 +52,9 @@ end
 /// then per item: dedupe key index (0 = none), dev, type, data, key, stream count, then per
 /// stream its key index and shard. Returns per item the cursor of its first stream and whether
 /// it was a duplicate: `{cursor, 0|1, cursor, 0|1, ...}`. A dedupe key holds the cursor it was
-/// answered with, so a duplicate gets the original's id; a key answered in a life of the stream
-/// that has ended is forgotten (its event was lost with that life).
+/// answered with, so a duplicate gets the original's id; a device's key answered in a life of its
+/// stream that has ended is forgotten (its event was lost with that life). A dedupe window of 0
+/// remembers nothing.
 pub const APPEND: &str = with_helpers!(
     r#"
 local out = {}
@@ -70,15 +71,16 @@ for _ = 1, tonumber(ARGV[5]) do
   if dedupe > 0 then
     previous = redis.call('GET', KEYS[dedupe])
     if previous then
-      -- Answered in a life of the stream that has ended since: that event is lost, so the key is
-      -- forgotten with it.
+      -- A device's event answered in a life of its stream that has ended since is lost, so its
+      -- key is forgotten with it. A broadcast's copies on the group's other streams may well be
+      -- there: its key stands (the lost copy's shard was told `data_lost`).
       local stream, shard = KEYS[tonumber(ARGV[first])], ARGV[first + 1]
       local epoch = lives[stream]
       if not epoch then
         epoch = life(stream, ARGV[1] .. shard)
         lives[stream] = epoch
       end
-      if string.sub(previous, 1, #epoch + 1) ~= epoch .. '.' then previous = false end
+      if streams == 1 and string.sub(previous, 1, #epoch + 1) ~= epoch .. '.' then previous = false end
     end
   end
   if previous then
@@ -103,7 +105,7 @@ for _ = 1, tonumber(ARGV[5]) do
       redis.call('XTRIM', stream, 'MAXLEN', '~', ARGV[3])
       if not cursor then cursor = epoch .. '.' .. shard .. '.' .. id end
     end
-    if dedupe > 0 then redis.call('SET', KEYS[dedupe], cursor, 'PX', ARGV[4]) end
+    if dedupe > 0 and ARGV[4] ~= '0' then redis.call('SET', KEYS[dedupe], cursor, 'PX', ARGV[4]) end
     table.insert(out, cursor)
     table.insert(out, 0)
   end

@@ -68,15 +68,7 @@ impl RedisTail {
     pub async fn open(inner: Arc<Inner>, group: usize) -> BackendResult<Self> {
         let client = inner.client(group).clone_new();
         init(&client).await?;
-        let command = CustomCommand::new_static("CLIENT", inner.hash(group), false);
-        let client_id = client
-            .custom::<Value, Value>(command, vec![Value::from("ID")])
-            .await
-            .ok()
-            .and_then(|id| match id {
-                Value::Integer(id) => Some(id),
-                _ => None,
-            });
+        let client_id = client_id(&inner, group, &client).await;
         let shards = inner.layout.shards_of(group);
         let all: Vec<u32> = shards.clone().collect();
         let checks = inner.check(group, &all, &[]).await?;
@@ -167,8 +159,11 @@ impl RedisTail {
         log::debug!("tail of group {} renews its connection", self.group);
         let client = self.inner.client(self.group).clone_new();
         if init(&client).await.is_ok() {
-            self.client = client;
-            self.client_id = None;
+            let old = std::mem::replace(&mut self.client, client);
+            tokio::spawn(async move {
+                let _ = old.quit().await;
+            });
+            self.client_id = client_id(&self.inner, self.group, &self.client).await;
         }
     }
 
@@ -258,6 +253,11 @@ impl RedisTail {
     }
 
     async fn read(&mut self) -> BackendResult<TailBatch> {
+        if self.after_error && self.pending.is_none() {
+            // fred reconnects on its own after an outage; the server then knows the connection
+            // by a new id (and may give the old one to another client).
+            self.client_id = client_id(&self.inner, self.group, &self.client).await;
+        }
         loop {
             if self.after_error || Instant::now() >= self.next_check {
                 let gaps = self.check_all().await?;
@@ -283,6 +283,18 @@ impl RedisTail {
                 return Ok(batch);
             }
         }
+    }
+}
+
+/// The server's id of `client`'s connection (`CLIENT ID`), to unblock its reads.
+async fn client_id(inner: &Inner, group: usize, client: &Client) -> Option<i64> {
+    let command = CustomCommand::new_static("CLIENT", inner.hash(group), false);
+    match client
+        .custom::<Value, Value>(command, vec![Value::from("ID")])
+        .await
+    {
+        Ok(Value::Integer(id)) => Some(id),
+        _ => None,
     }
 }
 
