@@ -1,7 +1,7 @@
 //! Wiring: builds the backend, starts the actors on their own arbiters, runs the HTTP server.
 //!
 //! The Router and the StreamTails run on dedicated arbiters, never on an HTTP worker: a producer
-//! sharing a worker with thousands of connections starves them of coalesced writes (DESIGN 2).
+//! sharing a worker with thousands of connections starves them of coalesced writes (docs/ARCHITECTURE.md, the paragraph on threads).
 
 use std::{io, sync::Arc};
 

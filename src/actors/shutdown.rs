@@ -1,4 +1,4 @@
-//! `Shutdown`: drains the pod (SPEC 7) on SIGTERM/SIGINT or `POST /admin/drain`.
+//! `Shutdown`: drains the pod (docs/operations.md, "Drain timeline") on SIGTERM/SIGINT or `POST /admin/drain`.
 //!
 //! Owns: the drain plan and its status, the HTTP server handle, the signal listener.
 //! Receives: [`StartDrain`] (signal listener, admin endpoint), [`AttachServer`] (start-up).
@@ -256,7 +256,7 @@ impl Drain {
             s.close_rate_per_second = rate;
         });
 
-        // SPEC 7.2: every connection learns its own reconnect delay now, before any close.
+        // Every connection learns its own reconnect delay now, before any close.
         let (retry_min, retry_max) = (
             config.retry_min.as_millis() as u32,
             config.retry_max.as_millis() as u32,

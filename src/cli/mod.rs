@@ -1,4 +1,4 @@
-//! The `posthorn` command line (SPEC 6): one file per subcommand.
+//! The `posthorn` command line (README.md): one file per subcommand.
 
 pub mod publish;
 pub mod serve;

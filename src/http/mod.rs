@@ -1,4 +1,4 @@
-//! The HTTP edge (SPEC 4): routes, shared state, and the server with its socket settings.
+//! The HTTP edge (docs/http-api.md): routes, shared state, and the server with its socket settings.
 
 pub mod auth;
 pub mod cors;

@@ -1,4 +1,4 @@
-//! Operations endpoints (SPEC 4.3): health, readiness, metrics, status and drain.
+//! Operations endpoints (docs/http-api.md): health, readiness, metrics, status and drain.
 
 use std::time::Duration;
 

@@ -1,4 +1,4 @@
-//! `GET /v1/devices/{device}/events` (SPEC 4.1): validates the request, opens a Connection actor
+//! `GET /v1/devices/{device}/events` (docs/http-api.md): validates the request, opens a Connection actor
 //! and answers with the body it feeds.
 //!
 //! The path is matched here rather than by an actix-web resource pattern: a pattern with a

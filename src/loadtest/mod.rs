@@ -1,4 +1,4 @@
-//! `posthorn loadtest` (SPEC 10): drives a server under test — posthorn, or nchan as the peer it
+//! `posthorn loadtest` (README.md, docs/BENCHMARKS.md): drives a server under test — posthorn, or nchan as the peer it
 //! is compared with — over real sockets and reports what it measured: a human summary, one JSON
 //! line, optionally an SVG plot.
 //!

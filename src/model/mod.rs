@@ -1,4 +1,4 @@
-//! The data model of SPEC 3: validated device ids and event types, shards, stream positions and
+//! The data model (docs/stream-format.md): validated device ids and event types, shards, stream positions and
 //! the opaque cursor that clients send back as `Last-Event-ID`. Everything here is pure.
 
 mod close_reason;

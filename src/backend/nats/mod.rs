@@ -1,4 +1,4 @@
-//! The NATS JetStream backend (SPEC 3): one stream (`nats.stream`) over the subjects
+//! The NATS JetStream backend (docs/stream-format.md): one stream (`nats.stream`) over the subjects
 //! `{subject_prefix}.{shard}`, read by one StreamTail (one group: all shards).
 //!
 //! Written for nats-server 2.9 (what Debian and CI ship): one filter subject per consumer, no
@@ -179,7 +179,7 @@ fn server_addrs(urls: &str) -> BackendResult<Vec<async_nats::ServerAddr>> {
         .collect()
 }
 
-/// The stream posthorn needs (SPEC 3).
+/// The stream posthorn needs (docs/stream-format.md).
 fn wanted_stream(layout: &Layout, settings: &NatsSettings) -> stream::Config {
     stream::Config {
         name: layout.stream.clone(),
@@ -189,7 +189,7 @@ fn wanted_stream(layout: &Layout, settings: &NatsSettings) -> stream::Config {
         storage: StorageType::File,
         retention: RetentionPolicy::Limits,
         num_replicas: settings.nats.replicas,
-        description: Some("posthorn events: one subject per shard (SPEC 3)".into()),
+        description: Some("posthorn events: one subject per shard".into()),
         ..Default::default()
     }
 }
