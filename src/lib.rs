@@ -4,7 +4,7 @@
 //! by `scripts/check-layers`; `docs/ARCHITECTURE.md` draws them with the message flow).
 //! - [`model`]: device ids, event types, shards, positions, cursors, close and resync reasons
 //!   (pure); [`stop`]: the stop signal of long-running loops; [`report`]: errors with their
-//!   causes, for people; [`client`]: the reference client.
+//!   causes, for people. The reference client is its own crate, `posthorn-client` (`client/`).
 //! - [`config`]: the typed, validated configuration.
 //! - [`metrics`]: every Prometheus metric. [`pod`]: pod-wide state (draining, stream counts).
 //! - [`sse`]: SSE framing and the items a stream's queue carries (pure).
@@ -20,7 +20,6 @@
 pub mod actors;
 pub mod backend;
 pub mod cli;
-pub mod client;
 pub mod config;
 pub mod http;
 pub mod hub;

@@ -1,9 +1,10 @@
 //! The crate's top-level modules form layers that import downward only (`src/lib.rs`,
 //! `docs/ARCHITECTURE.md`). This reads every source file under `src/` and fails on an import of a
-//! module from the same or a higher layer, which is also how a cycle would start.
+//! module from the same or a higher layer, which is also how a cycle would start. It also reads
+//! `Cargo.lock` to check that the client crate stays free of the hub's dependencies.
 
 use std::{
-    collections::BTreeSet,
+    collections::{BTreeMap, BTreeSet},
     fs,
     path::{Path, PathBuf},
 };
@@ -11,7 +12,7 @@ use std::{
 /// Bottom first. A module may use the modules of the layers before its own, never its own
 /// layer's others or a later one.
 const LAYERS: &[&[&str]] = &[
-    &["model", "stop", "report", "client"],
+    &["model", "stop", "report"],
     &["config"],
     &["metrics", "pod"],
     &["sse"],
@@ -145,4 +146,67 @@ fn imports_are_read_from_every_form_of_use() {
                   fn f() { crate::stop::sleep_or_stop(); }\n";
     let found: Vec<String> = crate_imports(source).into_iter().collect();
     assert_eq!(found, ["metrics", "model", "pod", "sse", "stop"]);
+}
+
+/// Every package `root` depends on, directly or not, by name (from `Cargo.lock`, which lists
+/// normal, build and dev dependencies alike).
+fn dependency_closure(lock: &str, root: &str) -> BTreeSet<String> {
+    let lock: toml::Table = lock.parse().expect("Cargo.lock is TOML");
+    let packages = lock["package"]
+        .as_array()
+        .expect("Cargo.lock lists packages");
+    // "name version" -> dependencies as written ("name" or "name version ...").
+    let mut by_id: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    let mut versions: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for package in packages {
+        let name = package["name"].as_str().unwrap().to_owned();
+        let version = package["version"].as_str().unwrap().to_owned();
+        let dependencies = package
+            .get("dependencies")
+            .and_then(|d| d.as_array())
+            .map(|d| d.iter().map(|d| d.as_str().unwrap().to_owned()).collect())
+            .unwrap_or_default();
+        by_id.insert(format!("{name} {version}"), dependencies);
+        versions.entry(name).or_default().push(version);
+    }
+    let resolve = |reference: &str| -> String {
+        let mut parts = reference.split(' ');
+        let name = parts.next().unwrap();
+        match parts.next() {
+            Some(version) => format!("{name} {version}"),
+            None => format!("{name} {}", versions[name][0]),
+        }
+    };
+    let mut seen = BTreeSet::new();
+    let mut todo = vec![resolve(root)];
+    while let Some(id) = todo.pop() {
+        if seen.insert(id.clone()) {
+            todo.extend(by_id[&id].iter().map(|d| resolve(d)));
+        }
+    }
+    seen.into_iter()
+        .map(|id| id.split(' ').next().unwrap().to_owned())
+        .collect()
+}
+
+/// A Rust POS application can depend on `posthorn-client` without compiling actix, fred or
+/// async-nats: none of them is in the client crate's dependency tree (and all are in the hub's,
+/// so the reading of `Cargo.lock` is not what makes this pass).
+#[test]
+fn the_client_crate_pulls_in_no_hub_dependency() {
+    let lock =
+        fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("Cargo.lock")).unwrap();
+    let heavy = |closure: &BTreeSet<String>| -> Vec<String> {
+        closure
+            .iter()
+            .filter(|name| name.starts_with("actix") || *name == "fred" || *name == "async-nats")
+            .cloned()
+            .collect()
+    };
+    let hub = heavy(&dependency_closure(&lock, "posthorn"));
+    for name in ["actix", "actix-web", "fred", "async-nats"] {
+        assert!(hub.iter().any(|h| h == name), "the hub depends on {name}");
+    }
+    let client = heavy(&dependency_closure(&lock, "posthorn-client"));
+    assert!(client.is_empty(), "posthorn-client depends on {client:?}");
 }

@@ -6,7 +6,7 @@ use std::{io::Write, path::PathBuf, time::Duration};
 use serde_json::json;
 
 use super::CliError;
-use crate::client::{follow, ClientOptions, Notice};
+use posthorn_client::{follow, ClientOptions, Notice};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Format {
