@@ -13,21 +13,24 @@ WORKDIR /src
 
 # Dependencies first, against placeholder sources, so that editing src/ does not rebuild them.
 # vendor/: the patched actix-http (vendor/actix-http/POSTHORN-PATCH.md). The manifest names
-# a bench target, so it needs a placeholder too; the image does not build it.
+# a bench target, so it needs a placeholder too; the image does not build it. client/ is the
+# workspace's second member (the reference client crate, which `posthorn tail` uses).
 COPY Cargo.toml Cargo.lock ./
+COPY client/Cargo.toml ./client/
 COPY vendor ./vendor
-RUN mkdir src benches \
+RUN mkdir src benches client/src \
     && echo 'fn main() {}' > src/main.rs \
     && echo 'fn main() {}' > benches/sse_floor.rs \
-    && touch src/lib.rs \
+    && touch src/lib.rs client/src/lib.rs \
     && cargo build --release --locked \
-    && rm -rf src
+    && rm -rf src client/src
 
 COPY src ./src
+COPY client/src ./client/src
 COPY config ./config
 # COPY keeps the files' original mtimes, which can be older than the placeholder build:
-# touch them so cargo rebuilds the crate itself.
-RUN touch src/main.rs src/lib.rs \
+# touch them so cargo rebuilds the crates themselves.
+RUN touch src/main.rs src/lib.rs client/src/lib.rs \
     && cargo build --release --locked \
     && install -m 0755 target/release/posthorn /usr/local/bin/posthorn
 

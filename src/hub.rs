@@ -1,7 +1,7 @@
 //! Wiring: builds the backend, starts the actors on their own arbiters, runs the HTTP server.
 //!
 //! The Router and the StreamTails run on dedicated arbiters, never on an HTTP worker: a producer
-//! sharing a worker with thousands of connections starves them of coalesced writes (DESIGN 2).
+//! sharing a worker with thousands of connections starves them of coalesced writes (docs/ARCHITECTURE.md, the paragraph on threads).
 
 use std::{io, sync::Arc};
 
@@ -11,7 +11,6 @@ use thiserror::Error;
 
 use crate::{
     actors::{
-        connection::HubState,
         router::Router,
         shutdown::{AttachServer, Shutdown},
         stream_tail::{SharedTailStatus, StreamTail, TailState},
@@ -20,11 +19,12 @@ use crate::{
         memory::MemorySettings,
         nats::{NatsBackend, NatsSettings},
         redis::{RedisBackend, RedisSettings},
-        Backend, MemoryBackend,
+        Backend, BackendError, MemoryBackend,
     },
     config::{AuthMode, BackendKind, Config},
     http::{self, AppState},
     metrics::Metrics,
+    pod::PodState,
     replay::Replayer,
 };
 
@@ -33,16 +33,21 @@ pub enum ServeError {
     /// The configuration cannot be served (exit code 64, like a configuration error).
     #[error("{0}")]
     Unservable(String),
-    #[error("cannot listen on {addr}: {source}")]
+    #[error("cannot listen on {addr}")]
     Bind {
         addr: std::net::SocketAddr,
         source: io::Error,
     },
     #[error("the drain reached drain.grace with streams still open")]
     DrainForced,
-    #[error("cannot start the backend: {0}")]
-    Backend(String),
-    #[error("server failed: {0}")]
+    #[error("cannot start the backend")]
+    Backend(#[source] BackendError),
+    #[error("the stream tails did not start within {}s (last error: {last_error})", within.as_secs())]
+    TailsNotStarted {
+        within: std::time::Duration,
+        last_error: String,
+    },
+    #[error("server failed")]
     Io(#[from] io::Error),
 }
 
@@ -94,7 +99,7 @@ pub async fn build_backend(config: &Config) -> Result<Arc<dyn Backend>, ServeErr
         BackendKind::Redis => Arc::new(
             RedisBackend::connect(redis_settings(config))
                 .await
-                .map_err(|error| ServeError::Backend(error.to_string()))?,
+                .map_err(ServeError::Backend)?,
         ),
         BackendKind::Nats => Arc::new(
             NatsBackend::connect(NatsSettings {
@@ -102,7 +107,7 @@ pub async fn build_backend(config: &Config) -> Result<Arc<dyn Backend>, ServeErr
                 dedupe_window: config.publish.dedupe_window,
             })
             .await
-            .map_err(|error| ServeError::Backend(error.to_string()))?,
+            .map_err(ServeError::Backend)?,
         ),
     })
 }
@@ -121,7 +126,7 @@ pub fn serve(config: Config) -> Result<(), ServeError> {
         let metrics = Arc::new(Metrics::new(Registry::new(), backend.kind()));
         let groups = backend.groups();
         metrics.init_groups(groups.len());
-        let hub = Arc::new(HubState::default());
+        let pod = Arc::new(PodState::default());
 
         let router_arbiter = Arbiter::new();
         let (shards, heartbeat, stall_timeout, router_metrics) = (
@@ -156,7 +161,7 @@ pub fn serve(config: Config) -> Result<(), ServeError> {
         wait_for_tails(&tail_statuses).await?;
 
         let shutdown = Shutdown::new(
-            hub.clone(),
+            pod.clone(),
             router.clone().recipient(),
             tail_stops,
             config.drain.clone(),
@@ -181,7 +186,7 @@ pub fn serve(config: Config) -> Result<(), ServeError> {
             backend,
             replayer,
             metrics,
-            hub: hub.clone(),
+            pod: pod.clone(),
             router,
             shutdown: shutdown.clone(),
             tails: tail_statuses,
@@ -202,7 +207,7 @@ pub fn serve(config: Config) -> Result<(), ServeError> {
         );
         server.stopped().await;
         router_arbiter.stop();
-        if hub.drain_was_forced() {
+        if pod.drain_was_forced() {
             tail_arbiter.stop();
             return Err(ServeError::DrainForced);
         }
@@ -225,10 +230,20 @@ async fn wait_for_tails(statuses: &[SharedTailStatus]) -> Result<(), ServeError>
             return Ok(());
         }
         if tokio::time::Instant::now() >= deadline {
-            return Err(ServeError::Backend(format!(
-                "the stream tails did not start within {}s",
-                TAILS_START_TIMEOUT.as_secs()
-            )));
+            let last_error = statuses
+                .iter()
+                .find_map(|status| {
+                    status
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .last_error
+                        .clone()
+                })
+                .unwrap_or_else(|| "none".into());
+            return Err(ServeError::TailsNotStarted {
+                within: TAILS_START_TIMEOUT,
+                last_error,
+            });
         }
         tokio::time::sleep(std::time::Duration::from_millis(10)).await;
     }

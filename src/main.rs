@@ -1,7 +1,10 @@
 //! The `posthorn` binary: parse the command line, run, map errors to exit codes.
 
 use clap::Parser;
-use posthorn::cli::{self, Cli};
+use posthorn::{
+    cli::{self, Cli},
+    report::Report,
+};
 
 // jemalloc instead of glibc's malloc: glibc grows the heap of a worker thread's arena one
 // `mprotect` per page (5 % of the hub's CPU while ten thousand streams open), and its allocator
@@ -25,7 +28,7 @@ fn main() {
         .format_timestamp_millis()
         .init();
     if let Err(error) = cli::run(Cli::parse()) {
-        eprintln!("posthorn: {error}");
+        eprintln!("posthorn: {}", Report(&error));
         std::process::exit(error.exit_code());
     }
 }

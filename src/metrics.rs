@@ -7,7 +7,7 @@ use prometheus::{
     IntGauge, Opts, Registry, TextEncoder,
 };
 
-use crate::{actors::close_reason::CloseReason, model::ResyncReason};
+use crate::model::{CloseReason, ResyncReason};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum RouteResult {

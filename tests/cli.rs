@@ -1,4 +1,4 @@
-//! Black-box tests of the `posthorn` command line (SPEC 5, 6): configuration errors and their
+//! Black-box tests of the `posthorn` command line (config/posthorn.toml, README.md): configuration errors and their
 //! exit code, the secure-by-default listen check, `shard-key`, `publish`, and the shipped
 //! configuration files.
 

@@ -1,4 +1,4 @@
-//! The reference client `posthorn tail` (SPEC 9, issue 6) against real hubs: restart of the hub
+//! The reference client `posthorn tail` (docs/client-contract.md, issue 6) against real hubs: restart of the hub
 //! with Redis keeping the data, a drain's `retry:`, resync, refusal, backoff and dead-connection
 //! detection.
 

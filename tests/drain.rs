@@ -1,4 +1,4 @@
-//! Drain details of SPEC 7 beyond the basic sequence in ops.rs: what is queued is flushed before
+//! Drain details (docs/operations.md, "Drain timeline") beyond the basic sequence in ops.rs: what is queued is flushed before
 //! a close, and a signal still ends a pod that was drained without exiting.
 
 mod support;
@@ -161,7 +161,7 @@ async fn drain_spreads_retries_and_closes() {
     );
 }
 
-/// SPEC 7.2: once a drain begins, every connection is sent its jittered `retry:` right away, not
+/// Once a drain begins, every connection is sent its jittered `retry:` right away, not
 /// only at its own close, so a client whose connection breaks while it waits still comes back at
 /// its own time.
 #[tokio::test]

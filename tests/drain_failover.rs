@@ -1,4 +1,4 @@
-//! The drain of SPEC 7 across pods: two hubs on one Redis behind a real nginx (proxy buffering
+//! The drain (docs/operations.md) across pods: two hubs on one Redis behind a real nginx (proxy buffering
 //! off). Clients connect through the proxy and follow the reference-client rules (resume with
 //! `Last-Event-ID`, honour `retry:`); hub A is drained while events keep coming; every client
 //! ends on hub B with every event exactly once and in order, and hub A exits inside its grace.
@@ -39,7 +39,7 @@ struct Followed {
     closing_retries: Vec<u64>,
 }
 
-/// A client following the SPEC 9 rules through the proxy until it has seen `until` events.
+/// A client following the docs/client-contract.md rules through the proxy until it has seen `until` events.
 async fn follow(
     proxy: SocketAddr,
     device: String,

@@ -1,4 +1,4 @@
-//! Slow-consumer eviction (SPEC 2, DESIGN 1): a client that stops reading fills its bounded queue
+//! Slow-consumer eviction (docs/ARCHITECTURE.md): a client that stops reading fills its bounded queue
 //! and is dropped at once, healthy clients lose nothing, and evicted connections give their
 //! memory back.
 

@@ -1,4 +1,4 @@
-//! `posthorn loadtest` against a real hub (SPEC 10): each scenario runs small and bounded, and its
+//! `posthorn loadtest` against a real hub (docs/BENCHMARKS.md, "The load tool"): each scenario runs small and bounded, and its
 //! JSON line must add up exactly — every delivery counted, evictions seen, the drain measured.
 //! The figures themselves are benchmarks (docs/BENCHMARKS.md), never asserted here.
 

@@ -59,7 +59,7 @@ fn headers(pairs: &[(&str, &str)]) -> HeaderMap {
     headers
 }
 
-/// Publishes as an external producer would (SPEC 3 NATS format, not through the hub) and waits
+/// Publishes as an external producer would (the NATS format of docs/stream-format.md, not through the hub) and waits
 /// for JetStream's ack; returns the stream sequence.
 async fn produce(
     js: &jetstream::Context,

@@ -1,4 +1,4 @@
-//! Black-box tests of the operations surface (SPEC 4.3, 7, 8): health, readiness, errors for
+//! Black-box tests of the operations surface (docs/http-api.md, docs/metrics.md): health, readiness, errors for
 //! unknown routes, metrics, `/admin/status`, and the graceful drain by admin request and SIGTERM.
 
 mod support;
@@ -110,7 +110,7 @@ async fn method_not_allowed_carries_allow_header() {
     assert_eq!(resp.header("allow"), Some("GET, OPTIONS"));
 }
 
-/// `/metrics` is Prometheus text with a HELP line for every SPEC 8 metric this build has, and
+/// `/metrics` is Prometheus text with a HELP line for every metric of docs/metrics.md this build has, and
 /// the labelled counters start with every label value at 0.
 #[tokio::test]
 async fn metrics_have_help_and_initial_labels() {

@@ -1,4 +1,4 @@
-//! Black-box tests of `POST /v1/events` (SPEC 3, 4.2): results and ids, delivery to the
+//! Black-box tests of `POST /v1/events` (docs/http-api.md, docs/stream-format.md): results and ids, delivery to the
 //! device's stream, batches, broadcast, idempotency, validation errors, limits, CORS and the
 //! publish metrics.
 

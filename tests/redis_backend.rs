@@ -532,7 +532,7 @@ async fn entries_trimmed_during_an_outage_give_resync() {
 // loss gets `data_lost` on resume.
 // ---------------------------------------------------------------------------------------------
 
-/// How long a client may wait for the resync that reports a loss (SPEC: within 10 s).
+/// How long a client may wait for the resync that reports a loss (docs/stream-format.md: within 10 s).
 const LOSS_NOTICE: Duration = Duration::from_secs(10);
 
 /// Opens the stream of `device` resuming after `cursor`.

@@ -1,4 +1,4 @@
-//! Race-free resume (DESIGN 1): while a publisher appends at full speed, clients disconnect and
+//! Race-free resume (docs/ARCHITECTURE.md, "Resume"): while a publisher appends at full speed, clients disconnect and
 //! reconnect with their cursors over and over; every device must still see every one of its
 //! events and every broadcast exactly once and in order.
 

@@ -1,4 +1,4 @@
-//! Black-box tests of `GET /v1/devices/{device}/events` (SPEC 4.1) on the memory backend:
+//! Black-box tests of `GET /v1/devices/{device}/events` (docs/http-api.md) on the memory backend:
 //! headers and prelude, live delivery, resume, resync, heartbeats, takeover and limits.
 
 mod support;
@@ -44,7 +44,7 @@ fn devices_on_two_shards() -> (&'static str, &'static str) {
     (a, b)
 }
 
-/// The stream answers 200 with the SPEC headers and flushes `retry:` and a comment before any
+/// The stream answers 200 with the documented headers and flushes `retry:` and a comment before any
 /// event exists, so a client knows at once that it is connected.
 #[tokio::test]
 async fn stream_opens_with_headers_and_an_immediate_prelude() {

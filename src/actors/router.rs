@@ -3,7 +3,7 @@
 //! Owns: one map per shard from device to its connection's queue sender (the same queue its SSE
 //! body drains), plus the rotation that schedules heartbeats and stall checks.
 //! Receives: [`Membership`] (joins and leaves of streams, batched per HTTP worker: see
-//! `membership.rs`); [`RouteBatch`] from StreamTails (its
+//! `stream/membership.rs`); [`RouteBatch`] from StreamTails (its
 //! bounded mailbox is the tails' backpressure); [`Snapshot`] from Shutdown and the
 //! status page.
 //! Sends: events and pings by `try_send` into connection queues (never a wait, never a mailbox);
@@ -27,19 +27,12 @@ use std::{
 use actix::prelude::*;
 use bytes::Bytes;
 
-use super::{
-    close_reason::CloseReason,
-    connection::{Close, DrainTarget},
-    membership::{Change, Membership},
-    rotation::{Member, Rotation},
-};
+use super::rotation::{Member, Rotation};
 use crate::{
     metrics::{Metrics, RouteResult},
-    model::{DeviceId, EpochId, Position, ResyncReason, Target},
-    sse::{
-        queue::{QueueSender, TrySendError},
-        QueueItem,
-    },
+    model::{CloseReason, DeviceId, EpochId, Position, ResyncReason, Target},
+    sse::QueueItem,
+    stream::{Change, Close, DrainTarget, Membership, Register, Route, TrySendError, Unregister},
 };
 
 /// How often every queue is checked for a stalled client.
@@ -73,32 +66,10 @@ pub struct RouteBatch {
     pub resyncs: Vec<RoutedResync>,
 }
 
-/// A stream joins: from now on its device's events go into `queue`.
-pub struct Register {
-    pub device: DeviceId,
-    pub shard: u32,
-    pub connection_id: u64,
-    pub queue: QueueSender,
-    pub control: DrainTarget,
-}
-
-/// A stream has ended; its route goes unless a newer stream of the device took it over.
-pub struct Unregister {
-    pub device: DeviceId,
-    pub shard: u32,
-    pub connection_id: u64,
-}
-
 /// Control handles of every connection, in registration order (for a drain).
 #[derive(Message)]
 #[rtype(result = "Vec<DrainTarget>")]
 pub struct Snapshot;
-
-struct Route {
-    connection_id: u64,
-    queue: QueueSender,
-    control: DrainTarget,
-}
 
 pub struct Router {
     /// Connections per shard, so a broadcast copy visits only the devices of its shard.
@@ -329,14 +300,10 @@ impl Router {
         self.rotation.join(Member {
             shard: register.shard,
             device: register.device.clone(),
-            connection_id: register.connection_id,
+            connection_id: register.route.connection_id,
         });
-        let route = Route {
-            connection_id: register.connection_id,
-            queue: register.queue,
-            control: register.control,
-        };
-        if let Some(previous) = self.shards[register.shard as usize].insert(register.device, route)
+        if let Some(previous) =
+            self.shards[register.shard as usize].insert(register.device, register.route)
         {
             previous
                 .control

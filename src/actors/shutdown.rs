@@ -1,10 +1,10 @@
-//! `Shutdown`: drains the pod (SPEC 7) on SIGTERM/SIGINT or `POST /admin/drain`.
+//! `Shutdown`: drains the pod (docs/operations.md, "Drain timeline") on SIGTERM/SIGINT or `POST /admin/drain`.
 //!
 //! Owns: the drain plan and its status, the HTTP server handle, the signal listener.
 //! Receives: [`StartDrain`] (signal listener, admin endpoint), [`AttachServer`] (start-up).
 //! Sends: [`Snapshot`] to the Router, [`AnnounceRetry`] then [`Close`] to Connections, [`StopTail`]
 //! to the tails, and finally stops the HTTP server (the process then exits 0).
-//! Sequence: readiness off and new streams refused at once (`HubState::start_draining`); after
+//! Sequence: readiness off and new streams refused at once (`PodState::start_draining`); after
 //! `drain.readiness_delay`, every connection is sent its own `retry:` drawn uniformly from
 //! `[drain.retry_min, drain.retry_max]`, then connections are closed in slices every 100 ms at
 //! `max(drain.close_rate, connections / budget)` per second (each writes what it has queued, then
@@ -20,17 +20,18 @@ use std::{
     time::{Duration, Instant},
 };
 
-use crate::http::ServerHandle;
 use actix::prelude::*;
 use rand::Rng;
 use serde::Serialize;
 
-use super::{
-    connection::{AnnounceRetry, Close, HubState},
-    router::Snapshot,
-    stream_tail::StopTail,
+use super::{router::Snapshot, stream_tail::StopTail};
+use crate::{
+    config::DrainConfig,
+    metrics::Metrics,
+    pod::PodState,
+    stop::StopHandle,
+    stream::{AnnounceRetry, Close},
 };
-use crate::{config::DrainConfig, metrics::Metrics};
 
 const SLICE: Duration = Duration::from_millis(100);
 
@@ -44,7 +45,7 @@ pub struct StartDrain {
 
 #[derive(Message)]
 #[rtype(result = "()")]
-pub struct AttachServer(pub ServerHandle);
+pub struct AttachServer(pub StopHandle);
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -76,10 +77,10 @@ pub fn close_rate(connections: usize, min_rate: u32, budget: Duration) -> f64 {
 }
 
 pub struct Shutdown {
-    hub: Arc<HubState>,
+    pod: Arc<PodState>,
     snapshot: Recipient<Snapshot>,
     tails: Vec<Recipient<StopTail>>,
-    server: Option<ServerHandle>,
+    server: Option<StopHandle>,
     config: DrainConfig,
     metrics: Arc<Metrics>,
     status: SharedDrainStatus,
@@ -91,14 +92,14 @@ pub struct Shutdown {
 
 impl Shutdown {
     pub fn new(
-        hub: Arc<HubState>,
+        pod: Arc<PodState>,
         snapshot: Recipient<Snapshot>,
         tails: Vec<Recipient<StopTail>>,
         config: DrainConfig,
         metrics: Arc<Metrics>,
     ) -> Self {
         Self {
-            hub,
+            pod,
             snapshot,
             tails,
             server: None,
@@ -178,7 +179,7 @@ impl Handler<StartDrain> for Shutdown {
 
     fn handle(&mut self, start: StartDrain, ctx: &mut Context<Self>) -> bool {
         self.exit_when_drained |= start.exit;
-        if !self.hub.start_draining() {
+        if !self.pod.start_draining() {
             // Already draining or drained: only the exit request may be new.
             self.stop_server_if_asked();
             return false;
@@ -197,7 +198,7 @@ impl Handler<StartDrain> for Shutdown {
             status: self.status.clone(),
             metrics: self.metrics.clone(),
             trigger: start.trigger,
-            hub: self.hub.clone(),
+            pod: self.pod.clone(),
         };
         log::info!(
             "drain requested by {}: readiness is off, new streams get 503; closes begin in {:.1}s",
@@ -220,7 +221,7 @@ struct Drain {
     status: SharedDrainStatus,
     metrics: Arc<Metrics>,
     trigger: &'static str,
-    hub: Arc<HubState>,
+    pod: Arc<PodState>,
 }
 
 impl Drain {
@@ -255,7 +256,7 @@ impl Drain {
             s.close_rate_per_second = rate;
         });
 
-        // SPEC 7.2: every connection learns its own reconnect delay now, before any close.
+        // Every connection learns its own reconnect delay now, before any close.
         let (retry_min, retry_max) = (
             config.retry_min.as_millis() as u32,
             config.retry_max.as_millis() as u32,
@@ -295,7 +296,7 @@ impl Drain {
         let completed = loop {
             // Every routed connection has a live response body, so no open stream also means
             // no connection left in the Router.
-            if self.hub.open_streams() == 0 {
+            if self.pod.open_streams() == 0 {
                 break true;
             }
             if Instant::now() >= deadline {
@@ -322,7 +323,7 @@ impl Drain {
                 elapsed.as_secs_f64()
             );
         } else {
-            self.hub.mark_drain_forced();
+            self.pod.mark_drain_forced();
             log::warn!(
                 "drain forced at the grace deadline: {closed} connections asked to close in {:.1}s, some still open",
                 elapsed.as_secs_f64()

@@ -27,6 +27,7 @@ use crate::{
     backend::{trim_interval, Backend, Tail, TailBatch},
     metrics::Metrics,
     model::{Cursor, Position},
+    report::Report,
     sse::frame,
     stop::sleep_or_stop,
 };
@@ -225,10 +226,14 @@ impl TailLoop {
             match opened {
                 Ok(tail) => break tail,
                 Err(error) => {
-                    log::warn!("tail of group {} cannot start: {error}", self.group);
+                    log::warn!(
+                        "tail of group {} cannot start: {}",
+                        self.group,
+                        Report(&error)
+                    );
                     self.update(|s| {
                         s.state = TailState::Retrying;
-                        s.last_error = Some(error.to_string());
+                        s.last_error = Some(Report(&error).to_string());
                     });
                     if sleep_or_stop(backoff.next_delay(), &mut stop).await {
                         return self.update(|s| s.state = TailState::Stopped);
@@ -256,10 +261,10 @@ impl TailLoop {
                     }
                 }
                 Err(error) => {
-                    log::warn!("tail of group {} failed: {error}", self.group);
+                    log::warn!("tail of group {} failed: {}", self.group, Report(&error));
                     self.update(|s| {
                         s.state = TailState::Retrying;
-                        s.last_error = Some(error.to_string());
+                        s.last_error = Some(Report(&error).to_string());
                     });
                     if sleep_or_stop(backoff.next_delay(), &mut stop).await {
                         break;
@@ -355,7 +360,7 @@ async fn trim_periodically(
             return;
         }
         if let Err(error) = backend.trim(group).await {
-            log::warn!("trimming group {group} failed: {error}");
+            log::warn!("trimming group {group} failed: {}", Report(&error));
         }
     }
 }

@@ -41,12 +41,54 @@ pub use memory::MemoryBackend;
 pub use nats::NatsBackend;
 pub use redis::RedisBackend;
 
+/// What a backend's client library reported, shared: one failed read can answer several waiting
+/// replays.
+pub type Cause = Arc<dyn std::error::Error + Send + Sync>;
+
+/// A backend operation failed. The message says what the hub was doing; the source, when there
+/// is one, is the client library's own error ([`crate::report::Report`] shows both).
 #[derive(Debug, Error, Clone)]
 pub enum BackendError {
-    #[error("backend unavailable: {0}")]
-    Unavailable(String),
-    #[error("backend rejected the request: {0}")]
-    Rejected(String),
+    /// No answer, or a connection error: a retry may succeed.
+    #[error("backend unavailable: {what}")]
+    Unavailable {
+        what: String,
+        #[source]
+        cause: Option<Cause>,
+    },
+    /// The backend answered, but not as the hub needs (a refused command, an unexpected reply).
+    #[error("backend rejected the request: {what}")]
+    Rejected {
+        what: String,
+        #[source]
+        cause: Option<Cause>,
+    },
+}
+
+impl BackendError {
+    pub fn unavailable(what: impl Into<String>) -> Self {
+        Self::Unavailable {
+            what: what.into(),
+            cause: None,
+        }
+    }
+
+    pub fn unavailable_by(
+        what: impl Into<String>,
+        cause: impl Into<Box<dyn std::error::Error + Send + Sync>>,
+    ) -> Self {
+        Self::Unavailable {
+            what: what.into(),
+            cause: Some(Arc::from(cause.into())),
+        }
+    }
+
+    pub fn rejected(what: impl Into<String>) -> Self {
+        Self::Rejected {
+            what: what.into(),
+            cause: None,
+        }
+    }
 }
 
 pub type BackendResult<T> = Result<T, BackendError>;

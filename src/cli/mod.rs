@@ -1,4 +1,4 @@
-//! The `posthorn` command line (SPEC 6): one file per subcommand.
+//! The `posthorn` command line (README.md): one file per subcommand.
 
 pub mod publish;
 pub mod serve;
@@ -14,6 +14,7 @@ use thiserror::Error;
 use crate::{
     config::{env::ProcessEnv, Config, ConfigError},
     hub::ServeError,
+    loadtest::LoadtestError,
 };
 
 #[derive(Debug, Parser)]
@@ -46,7 +47,7 @@ pub enum Command {
 
 #[derive(Debug, Error)]
 pub enum CliError {
-    #[error("configuration error: {0}")]
+    #[error("configuration error")]
     Config(#[from] ConfigError),
     #[error(transparent)]
     Serve(#[from] ServeError),
@@ -54,6 +55,8 @@ pub enum CliError {
     Usage(String),
     #[error("{0}")]
     Failed(String),
+    #[error(transparent)]
+    Loadtest(#[from] LoadtestError),
 }
 
 impl CliError {
@@ -61,8 +64,12 @@ impl CliError {
     pub fn exit_code(&self) -> i32 {
         match self {
             CliError::Config(error) => error.exit_code(),
-            CliError::Serve(ServeError::Unservable(_)) | CliError::Usage(_) => 64,
-            CliError::Serve(_) | CliError::Failed(_) => 1,
+            CliError::Serve(ServeError::Unservable(_))
+            | CliError::Usage(_)
+            | CliError::Loadtest(LoadtestError::Usage(_)) => 64,
+            CliError::Serve(_)
+            | CliError::Failed(_)
+            | CliError::Loadtest(LoadtestError::Failed(_)) => 1,
         }
     }
 }
@@ -88,6 +95,6 @@ pub fn run(cli: Cli) -> Result<(), CliError> {
         Command::ShardKey(args) => shard_key::run(args),
         Command::Tail(args) => tail::run(args),
         Command::Token(args) => token::run(args),
-        Command::Loadtest(args) => crate::loadtest::run(args),
+        Command::Loadtest(args) => Ok(crate::loadtest::run(args)?),
     }
 }

@@ -15,7 +15,7 @@ pub struct ShardKeyArgs {
     pub device: String,
 }
 
-/// The Redis stream key of a shard (SPEC 3), as the Redis backend writes it.
+/// The Redis stream key of a shard (docs/stream-format.md), as the Redis backend writes it.
 pub fn stream_key(config: &Config, shard: u32) -> String {
     layout_of(&config.redis).stream_key(shard)
 }
@@ -45,7 +45,7 @@ pub fn run(args: ShardKeyArgs) -> Result<(), CliError> {
 mod tests {
     use super::*;
 
-    /// Standalone and cluster keys follow SPEC 3, with contiguous group ranges.
+    /// Standalone and cluster keys follow docs/stream-format.md, with contiguous group ranges.
     #[test]
     fn keys_follow_the_spec() {
         let mut config = Config::default();

@@ -1,4 +1,4 @@
-//! `posthorn tail`: the reference POS client (SPEC 9) on the command line. One line per event on
+//! `posthorn tail`: the reference POS client (docs/client-contract.md) on the command line. One line per event on
 //! stdout; connections, reconnects and resyncs are reported on stderr.
 
 use std::{io::Write, path::PathBuf, time::Duration};
@@ -6,7 +6,7 @@ use std::{io::Write, path::PathBuf, time::Duration};
 use serde_json::json;
 
 use super::CliError;
-use crate::client::{follow, ClientOptions, Notice};
+use posthorn_client::{follow, ClientOptions, Notice};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Format {

@@ -1,4 +1,4 @@
-//! Authentication at the HTTP edge (SPEC 4, `auth.mode = "jwt"`).
+//! Authentication at the HTTP edge (docs/http-api.md, `auth.mode = "jwt"`).
 //!
 //! A token comes as `Authorization: Bearer <jwt>` or `?token=<jwt>` (browsers' EventSource cannot
 //! set headers). It is verified with the HS256 secret or the RS256/ES256 public key, `exp` is

@@ -5,7 +5,7 @@ use actix_web::{http::StatusCode, HttpResponse, ResponseError};
 use serde_json::json;
 use thiserror::Error;
 
-use crate::model::IdentError;
+use crate::{backend::BackendError, model::IdentError, report::Report};
 
 #[derive(Debug, Error)]
 pub enum ApiError {
@@ -34,8 +34,14 @@ pub enum ApiError {
     Draining,
     #[error("connection limit of {0} reached on this pod")]
     TooManyConnections(usize),
-    #[error("{0}")]
-    BackendUnavailable(String),
+    #[error(transparent)]
+    Backend(#[from] BackendError),
+    #[error("the backend did not answer within {}s", .0.as_secs())]
+    BackendSilent(std::time::Duration),
+    /// A part of the hub itself failed (an actor that should live as long as the process is
+    /// gone): not the client's fault, and not the backend's.
+    #[error("internal failure: {0}")]
+    Internal(&'static str),
     #[error("{0}")]
     Unauthorized(String),
     #[error("{0}")]
@@ -59,7 +65,8 @@ impl ApiError {
             ApiError::PayloadTooLarge(_) | ApiError::FieldTooLarge { .. } => "payload_too_large",
             ApiError::Draining => "draining",
             ApiError::TooManyConnections(_) => "too_many_connections",
-            ApiError::BackendUnavailable(_) => "backend_unavailable",
+            ApiError::Backend(_) | ApiError::BackendSilent(_) => "backend_unavailable",
+            ApiError::Internal(_) => "internal_error",
             ApiError::Unauthorized(_) => "unauthorized",
             ApiError::Forbidden(_) => "forbidden",
             ApiError::NotFound => "not_found",
@@ -71,7 +78,7 @@ impl ApiError {
     fn retry_after(&self) -> Option<u32> {
         match self {
             ApiError::Draining | ApiError::TooManyConnections(_) => Some(5),
-            ApiError::BackendUnavailable(_) => Some(2),
+            ApiError::Backend(_) | ApiError::BackendSilent(_) | ApiError::Internal(_) => Some(2),
             _ => None,
         }
     }
@@ -89,7 +96,9 @@ impl ResponseError for ApiError {
             }
             ApiError::Draining
             | ApiError::TooManyConnections(_)
-            | ApiError::BackendUnavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+            | ApiError::Backend(_)
+            | ApiError::BackendSilent(_) => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
             ApiError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
             ApiError::Forbidden(_) => StatusCode::FORBIDDEN,
             ApiError::NotFound => StatusCode::NOT_FOUND,
@@ -98,7 +107,8 @@ impl ResponseError for ApiError {
     }
 
     fn error_response(&self) -> HttpResponse {
-        let mut body = json!({ "error": self.code(), "message": self.to_string() });
+        let message = Report(self).to_string();
+        let mut body = json!({ "error": self.code(), "message": message });
         if let ApiError::InvalidField { index, field, .. }
         | ApiError::FieldTooLarge { index, field, .. } = self
         {

@@ -1,4 +1,4 @@
-//! The HTTP edge (SPEC 4): routes, shared state, and the server with its socket settings.
+//! The HTTP edge (docs/http-api.md): routes, shared state, and the server with its socket settings.
 
 pub mod auth;
 pub mod cors;
@@ -16,7 +16,6 @@ use socket2::{Domain, Protocol, Socket, TcpKeepalive, Type};
 
 use crate::{
     actors::{
-        connection::{HubState, RouterLink},
         router::Router,
         shutdown::{SharedDrainStatus, Shutdown},
         stream_tail::SharedTailStatus,
@@ -24,19 +23,22 @@ use crate::{
     backend::Backend,
     config::Config,
     metrics::Metrics,
+    pod::PodState,
+    replay::Replayer,
+    stream::StreamOpener,
 };
 
 pub use error::ApiError;
-pub use server::{Server, ServerHandle};
+pub use server::Server;
 
 /// Everything a request handler may touch. Cloned into each worker.
 #[derive(Clone)]
 pub struct AppState {
     pub config: Arc<Config>,
     pub backend: Arc<dyn Backend>,
-    pub replayer: Arc<crate::replay::Replayer>,
+    pub replayer: Arc<Replayer>,
     pub metrics: Arc<Metrics>,
-    pub hub: Arc<HubState>,
+    pub pod: Arc<PodState>,
     pub router: Addr<Router>,
     pub shutdown: Addr<Shutdown>,
     pub tails: Vec<SharedTailStatus>,
@@ -44,18 +46,19 @@ pub struct AppState {
     pub auth: Arc<auth::Authenticator>,
 }
 
-impl AppState {
-    pub fn router_link(&self) -> RouterLink {
-        RouterLink {
-            membership: self.router.clone().recipient(),
-        }
-    }
-}
-
+/// The routes of one HTTP worker; called on the worker's own thread, which its
+/// [`StreamOpener`] must not leave.
 pub fn configure(state: AppState) -> impl FnOnce(&mut web::ServiceConfig) {
     move |cfg| {
         let cors = cors::Cors::new(&state.config.server.cors_origins);
+        let opener = StreamOpener::new(
+            state.router.clone().recipient(),
+            state.replayer.clone(),
+            state.metrics.clone(),
+            state.pod.clone(),
+        );
         cfg.app_data(web::Data::new(state))
+            .app_data(web::Data::new(opener))
             .app_data(web::Data::new(cors))
             .app_data(web::QueryConfig::default().error_handler(|error, _| {
                 ApiError::InvalidRequest(format!("invalid query string: {error}")).into()

@@ -1,4 +1,4 @@
-//! Operations endpoints (SPEC 4.3): health, readiness, metrics, status and drain.
+//! Operations endpoints (docs/http-api.md): health, readiness, metrics, status and drain.
 
 use std::time::Duration;
 
@@ -18,16 +18,13 @@ pub async fn healthz() -> HttpResponse {
 }
 
 pub async fn readyz(state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
-    if state.hub.is_draining() {
+    if state.pod.is_draining() {
         return Err(ApiError::Draining);
     }
     match tokio::time::timeout(READY_TIMEOUT, state.backend.ping()).await {
         Ok(Ok(())) => Ok(HttpResponse::Ok().json(json!({ "status": "ready" }))),
-        Ok(Err(error)) => Err(ApiError::BackendUnavailable(error.to_string())),
-        Err(_) => Err(ApiError::BackendUnavailable(format!(
-            "backend did not answer within {}s",
-            READY_TIMEOUT.as_secs()
-        ))),
+        Ok(Err(error)) => Err(error.into()),
+        Err(_) => Err(ApiError::BackendSilent(READY_TIMEOUT)),
     }
 }
 
@@ -103,8 +100,8 @@ pub async fn status(
     Ok(HttpResponse::Ok().json(json!({
         "version": env!("CARGO_PKG_VERSION"),
         "backend": state.backend.kind(),
-        "connections": state.hub.connections(),
-        "draining": state.hub.is_draining(),
+        "connections": state.pod.connections(),
+        "draining": state.pod.is_draining(),
         "drain": drain,
         "tails": tails,
         "config": state.config.summary(),
@@ -130,7 +127,7 @@ pub async fn drain(
             trigger: "admin request",
         })
         .await
-        .map_err(|_| ApiError::BackendUnavailable("shutdown actor is gone".into()))?;
+        .map_err(|_| ApiError::Internal("the shutdown actor is gone"))?;
     Ok(HttpResponse::Accepted().json(json!({
         "draining": true,
         "started": started,

@@ -41,7 +41,7 @@ pub async fn publish(
         Ok(appended) => appended,
         Err(error) => {
             state.metrics.published(PublishResult::Failed, count);
-            return Err(ApiError::BackendUnavailable(error.to_string()));
+            return Err(error.into());
         }
     };
     let mut tally = [0u64; 3];

@@ -8,7 +8,7 @@
 //! whichever worker is idle takes the next connection, and the connection is served on the
 //! thread that accepted it.
 //!
-//! Stop: [`ServerHandle::stop`] ends the accept loops (the socket closes when the last loop has
+//! Stop: the [`StopHandle`] of [`Server::handle`] ends the accept loops (the socket closes when the last loop has
 //! dropped it), tells the open connections' dispatchers to finish (idle keep-alive connections
 //! close at once), waits up to [`STOP_TIMEOUT`] for them, then stops the worker arbiters.
 //! [`Server::stopped`] resolves when every worker has.
@@ -33,7 +33,10 @@ use slab::Slab;
 use tokio::sync::{mpsc, watch, Notify};
 
 use super::{configure, cors, AppState};
-use crate::{sse::control::ConnectionSocket, stop::sleep_or_stop};
+use crate::{
+    stop::{sleep_or_stop, StopHandle},
+    stream::ConnectionSocket,
+};
 
 /// How long a stop waits for requests in flight. SSE responses never finish on their own; the
 /// drain has closed them before the server stops, so waiting longer would only delay the exit.
@@ -45,27 +48,15 @@ const ACCEPT_ERROR_PAUSE: Duration = Duration::from_millis(500);
 
 /// A running server: its worker threads, until they have stopped.
 pub struct Server {
-    handle: ServerHandle,
+    handle: StopHandle,
     workers_running: mpsc::Receiver<()>,
-}
-
-/// Stops a [`Server`]; cheap to clone.
-#[derive(Clone)]
-pub struct ServerHandle {
-    stop: watch::Sender<bool>,
-}
-
-impl ServerHandle {
-    pub fn stop(&self) {
-        self.stop.send_replace(true);
-    }
 }
 
 impl Server {
     /// Starts `workers` arbiters that accept from `listener` (already bound and listening).
     pub fn start(listener: TcpListener, workers: usize, state: AppState) -> io::Result<Self> {
         let address = listener.local_addr()?;
-        let (stop, stop_requested) = watch::channel(false);
+        let (handle, stop_requested) = StopHandle::new();
         let (worker_running, workers_running) = mpsc::channel(1);
         for index in 0..workers.max(1) {
             let listener = listener.try_clone()?;
@@ -88,12 +79,13 @@ impl Server {
             });
         }
         Ok(Self {
-            handle: ServerHandle { stop },
+            handle,
             workers_running,
         })
     }
 
-    pub fn handle(&self) -> ServerHandle {
+    /// Stops the server.
+    pub fn handle(&self) -> StopHandle {
         self.handle.clone()
     }
 

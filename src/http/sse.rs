@@ -1,4 +1,4 @@
-//! `GET /v1/devices/{device}/events` (SPEC 4.1): validates the request, opens a Connection actor
+//! `GET /v1/devices/{device}/events` (docs/http-api.md): validates the request, opens a Connection actor
 //! and answers with the body it feeds.
 //!
 //! The path is matched here rather than by an actix-web resource pattern: a pattern with a
@@ -18,12 +18,8 @@ use super::{
     method_not_allowed, AppState,
 };
 use crate::{
-    actors::{
-        close_reason::CloseReason,
-        connection::{Close, Connection, OpenStream},
-    },
-    model::{shard_of, DeviceId},
-    sse::control::ConnectionSocket,
+    model::{shard_of, CloseReason, DeviceId},
+    stream::{ConnectionSocket, OpenStream, StreamOpener},
 };
 
 #[derive(Debug, Deserialize)]
@@ -35,13 +31,14 @@ pub struct StreamQuery {
 pub async fn devices(
     request: HttpRequest,
     state: web::Data<AppState>,
+    opener: web::Data<StreamOpener>,
     cors: web::Data<Cors>,
 ) -> Result<HttpResponse, ApiError> {
     let Some(device) = device_segment(request.match_info().unprocessed()) else {
         return Err(ApiError::NotFound);
     };
     match *request.method() {
-        Method::GET => stream(&request, device, state).await,
+        Method::GET => stream(&request, device, state, &opener).await,
         Method::OPTIONS => Ok(cors::preflight(request, cors).await),
         _ => Ok(method_not_allowed("GET, OPTIONS").await),
     }
@@ -61,6 +58,7 @@ async fn stream(
     request: &HttpRequest,
     device_text: &str,
     state: web::Data<AppState>,
+    opener: &StreamOpener,
 ) -> Result<HttpResponse, ApiError> {
     let query = web::Query::<StreamQuery>::from_query(request.query_string())
         .map_err(|error| ApiError::InvalidRequest(format!("invalid query string: {error}")))?;
@@ -69,11 +67,11 @@ async fn stream(
         source,
     })?;
     state.auth.check(request, Access::Stream(&device))?;
-    if state.hub.is_draining() {
+    if state.pod.is_draining() {
         return Err(ApiError::Draining);
     }
     let limit = state.config.limits.max_connections;
-    if !state.hub.try_acquire_connection(limit) {
+    if !state.pod.try_acquire_connection(limit) {
         return Err(ApiError::TooManyConnections(limit));
     }
     // The header wins; the query parameter exists for clients that cannot set headers. An empty
@@ -87,8 +85,8 @@ async fn stream(
     let shard = shard_of(device.as_str(), state.backend.shards());
     // `open` returns once the registration is in the Router's mailbox, so a client that has seen
     // the first bytes cannot miss an event published after them.
-    let (body, control) = Connection::open(
-        OpenStream {
+    let (body, stream) = opener
+        .open(OpenStream {
             device,
             shard,
             cursor,
@@ -98,18 +96,13 @@ async fn stream(
             socket_fd: request
                 .conn_data::<ConnectionSocket>()
                 .map(|socket| socket.0),
-        },
-        state.router_link(),
-        state.replayer.clone(),
-        state.metrics.clone(),
-        state.hub.clone(),
-    )
-    .await
-    .map_err(|_| ApiError::BackendUnavailable("the hub could not register the stream".into()))?;
+        })
+        .await
+        .map_err(|_| ApiError::Internal("the router is gone: the hub is stopping"))?;
     // A drain that started while we registered may have taken its list of connections before us:
     // refuse instead of leaving an open stream the drain does not know about.
-    if state.hub.is_draining() {
-        control.do_send(Close::now(CloseReason::Drain));
+    if state.pod.is_draining() {
+        stream.close(CloseReason::Drain);
         return Err(ApiError::Draining);
     }
     Ok(HttpResponse::Ok()

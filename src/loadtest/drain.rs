@@ -16,7 +16,7 @@ use serde_json::json;
 
 use super::{emit, failed, probe::Server, wire, Common, Endpoint, LoadtestError, Peer, Run};
 
-/// The reference client never reconnects sooner than this (SPEC 9).
+/// The reference client never reconnects sooner than this (docs/client-contract.md).
 const RETRY_FLOOR_MS: u64 = 1000;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]

@@ -1,4 +1,4 @@
-//! `posthorn loadtest` (SPEC 10): drives a server under test — posthorn, or nchan as the peer it
+//! `posthorn loadtest` (README.md, docs/BENCHMARKS.md): drives a server under test — posthorn, or nchan as the peer it
 //! is compared with — over real sockets and reports what it measured: a human summary, one JSON
 //! line, optionally an SVG plot.
 //!
@@ -31,8 +31,6 @@ use std::{
 
 use futures_util::StreamExt;
 use thiserror::Error;
-
-use crate::cli::CliError;
 
 /// Upper bounds that keep a mistyped argument from becoming a machine-wide outage.
 const MAX_CONNECTIONS: usize = 100_000;
@@ -149,15 +147,6 @@ pub enum LoadtestError {
     Usage(String),
     #[error("loadtest: {0}")]
     Failed(String),
-}
-
-impl From<LoadtestError> for CliError {
-    fn from(error: LoadtestError) -> Self {
-        match error {
-            LoadtestError::Usage(message) => CliError::Usage(message),
-            LoadtestError::Failed(message) => CliError::Failed(message),
-        }
-    }
 }
 
 fn failed(context: &str) -> impl Fn(io::Error) -> LoadtestError + '_ {
@@ -434,7 +423,7 @@ fn per_connection(
     Some(after.pss_kib.saturating_sub(before.pss_kib) as f64 * 1024.0 / n as f64)
 }
 
-pub fn run(args: LoadtestArgs) -> Result<(), CliError> {
+pub fn run(args: LoadtestArgs) -> Result<(), LoadtestError> {
     let common = match &args.scenario {
         Scenario::Idle(a) => &a.common,
         Scenario::Storm(a) => &a.common,
@@ -449,8 +438,7 @@ pub fn run(args: LoadtestArgs) -> Result<(), CliError> {
         Ok(limit) if (limit as usize) < run.devices.len() + 64 => {
             return Err(LoadtestError::Usage(format!(
                 "open files limit {limit} is below --connections; raise `ulimit -n`"
-            ))
-            .into())
+            )))
         }
         Ok(_) => {}
         Err(error) => log::warn!("cannot raise the open files limit: {error}"),
@@ -459,7 +447,7 @@ pub fn run(args: LoadtestArgs) -> Result<(), CliError> {
         .worker_threads(threads.max(1))
         .enable_all()
         .build()
-        .map_err(|error| CliError::Failed(format!("cannot start the runtime: {error}")))?;
+        .map_err(|error| LoadtestError::Failed(format!("cannot start the runtime: {error}")))?;
     runtime.block_on(async move {
         let work = async {
             match &args.scenario {
@@ -472,8 +460,8 @@ pub fn run(args: LoadtestArgs) -> Result<(), CliError> {
             }
         };
         match tokio::time::timeout(time_limit, work).await {
-            Ok(result) => result.map_err(CliError::from),
-            Err(_) => Err(CliError::Failed(format!(
+            Ok(result) => result,
+            Err(_) => Err(LoadtestError::Failed(format!(
                 "loadtest: stopped at --time-limit {time_limit:?}"
             ))),
         }

@@ -1,7 +1,8 @@
 //! The load tool's HTTP/1.1 and SSE client, written against raw sockets so that one connection
 //! costs one socket, one read buffer and a few counters: ten thousand of them must not make the
 //! tool the bottleneck. Parses chunked bodies properly (a chunk boundary may split an SSE line)
-//! and reads SSE fields without allocating per event.
+//! and reads SSE fields without allocating per event, with the reference client's decoder and
+//! line splitter (`posthorn-client`: one parser in the product).
 
 use std::{
     io,
@@ -14,7 +15,10 @@ use tokio::{
 };
 
 use super::{payload, Endpoint};
-use crate::client::dechunk::Dechunk;
+use posthorn_client::{
+    dechunk::Dechunk,
+    parser::{Line, Lines},
+};
 
 /// Longest response head accepted from a server under test.
 const MAX_HEAD: usize = 16 * 1024;
@@ -215,7 +219,7 @@ pub struct SseStream {
     pub stream: TcpStream,
     pending: Vec<u8>,
     dechunk: Option<Dechunk>,
-    line: Vec<u8>,
+    lines: Lines,
     event: PartialEvent,
     pub counters: SseCounters,
 }
@@ -256,7 +260,7 @@ pub async fn open_sse(
         stream,
         pending,
         dechunk: head.chunked.then(Dechunk::default),
-        line: Vec::new(),
+        lines: Lines::new(),
         event: PartialEvent::default(),
         counters: SseCounters::default(),
     })
@@ -294,71 +298,58 @@ impl SseStream {
         Ok(open)
     }
 
-    fn parse(&mut self, mut bytes: &[u8], deliver: &mut impl FnMut(payload::Stamp)) {
-        while let Some(end) = memchr::memchr(b'\n', bytes) {
-            if self.line.is_empty() {
-                self.field(&bytes[..end], deliver);
-            } else {
-                let mut line = std::mem::take(&mut self.line);
-                line.extend_from_slice(&bytes[..end]);
-                self.field(&line, deliver);
-                line.clear();
-                self.line = line;
-            }
-            bytes = &bytes[end + 1..];
-        }
-        self.line.extend_from_slice(bytes);
+    fn parse(&mut self, bytes: &[u8], deliver: &mut impl FnMut(payload::Stamp)) {
+        let (event, counters) = (&mut self.event, &mut self.counters);
+        self.lines
+            .feed(bytes, |line| event.line(line, counters, deliver));
     }
+}
 
-    fn field(&mut self, line: &[u8], deliver: &mut impl FnMut(payload::Stamp)) {
-        let line = line.strip_suffix(b"\r").unwrap_or(line);
-        if line.is_empty() {
-            let event = std::mem::take(&mut self.event);
-            if event.resync {
-                self.counters.resyncs += 1;
-            }
-            match event.delivery {
-                Some(stamp) if !event.resync => deliver(stamp),
-                _ if event.has_data => self.counters.foreign_events += 1,
-                _ => {}
-            }
-            return;
-        }
-        if line[0] == b':' {
-            self.counters.comments += 1;
-            return;
-        }
-        let (name, value) = match memchr::memchr(b':', line) {
-            Some(colon) => {
-                let value = &line[colon + 1..];
-                (&line[..colon], value.strip_prefix(b" ").unwrap_or(value))
-            }
-            None => (line, &b""[..]),
-        };
-        match name {
-            b"data" => {
-                // A multi-line payload is never a load-test payload.
-                self.event.delivery = if self.event.has_data {
-                    None
-                } else {
-                    payload::Stamp::parse(value)
-                };
-                self.event.has_data = true;
-            }
-            b"id" => {
-                self.counters.last_id.clear();
-                self.counters
-                    .last_id
-                    .push_str(&String::from_utf8_lossy(value));
-            }
-            b"event" => self.event.resync = value == b"resync",
-            b"retry" => {
-                if let Some(ms) = std::str::from_utf8(value).ok().and_then(|v| v.parse().ok()) {
-                    self.counters.last_retry = Some(ms);
-                    self.counters.retries_seen += 1;
+impl PartialEvent {
+    /// Keeps of each line only what the scenarios count; hands a complete load-test event to
+    /// `deliver`.
+    fn line(
+        &mut self,
+        line: Line<'_>,
+        counters: &mut SseCounters,
+        deliver: &mut impl FnMut(payload::Stamp),
+    ) {
+        match line {
+            Line::Dispatch => {
+                let event = std::mem::take(self);
+                if event.resync {
+                    counters.resyncs += 1;
+                }
+                match event.delivery {
+                    Some(stamp) if !event.resync => deliver(stamp),
+                    _ if event.has_data => counters.foreign_events += 1,
+                    _ => {}
                 }
             }
-            _ => {}
+            Line::Comment(_) => counters.comments += 1,
+            Line::Field { name, value } => match name {
+                b"data" => {
+                    // A multi-line payload is never a load-test payload.
+                    self.delivery = if self.has_data {
+                        None
+                    } else {
+                        payload::Stamp::parse(value)
+                    };
+                    self.has_data = true;
+                }
+                b"id" => {
+                    counters.last_id.clear();
+                    counters.last_id.push_str(&String::from_utf8_lossy(value));
+                }
+                b"event" => self.resync = value == b"resync",
+                b"retry" => {
+                    if let Some(ms) = std::str::from_utf8(value).ok().and_then(|v| v.parse().ok()) {
+                        counters.last_retry = Some(ms);
+                        counters.retries_seen += 1;
+                    }
+                }
+                _ => {}
+            },
         }
     }
 }

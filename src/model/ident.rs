@@ -130,7 +130,7 @@ impl Target {
 mod tests {
     use super::*;
 
-    /// The device alphabet and length limits of SPEC 3 are enforced exactly.
+    /// The device alphabet and length limits of docs/stream-format.md are enforced exactly.
     #[test]
     fn device_ids_follow_the_spec_alphabet() {
         assert!(DeviceId::parse("pos-17").is_ok());

@@ -1,4 +1,4 @@
-//! Sharding: `shard = crc32_ieee(utf8(device_id)) mod shards` (SPEC 3), the same CRC-32 as zlib,
+//! Sharding: `shard = crc32_ieee(utf8(device_id)) mod shards` (docs/stream-format.md), the same CRC-32 as zlib,
 //! Python's `zlib.crc32` and Go's `crc32.ChecksumIEEE`, so producers in any language agree.
 
 pub fn shard_of(device: &str, shards: u32) -> u32 {

@@ -1,9 +1,7 @@
-//! SSE on the wire: framing (pure) and the response body that drains a connection's queue.
+//! SSE on the wire, pure: how events, resyncs, pings and `retry:` are framed, and the items a
+//! stream's queue and replay channel carry (the body that writes them is in `stream/`).
 
-pub mod body;
-pub mod control;
 pub mod frame;
-pub mod queue;
 
 use bytes::Bytes;
 

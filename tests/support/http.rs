@@ -1,6 +1,6 @@
 //! Minimal HTTP/1.1 client over a raw tokio `TcpStream`, plus the pieces the
-//! SSE client shares with it: response-head parsing, body framing and a pure
-//! `Transfer-Encoding: chunked` decoder.
+//! SSE client shares with it: response-head parsing and body framing (the
+//! chunked decoder is the reference client's).
 //!
 //! Written by hand rather than pulling in an HTTP crate so that tests see
 //! exactly what the server put on the wire (framing, header spelling).
@@ -221,117 +221,30 @@ impl BodyFraming {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum ChunkState {
-    Size,
-    Data(usize),
-    /// The CRLF that closes every chunk's data.
-    DataEnd,
-    Trailer,
-    Done,
-}
-
-/// Pure, incremental decoder for `Transfer-Encoding: chunked`. Input may be
-/// split anywhere (inside a size line, inside the CRLF); unconsumed bytes are
-/// kept until the next `feed`.
-#[derive(Debug)]
-pub struct ChunkedDecoder {
-    state: ChunkState,
-    pending: Vec<u8>,
-}
-
-impl Default for ChunkedDecoder {
-    fn default() -> Self {
-        Self::new()
-    }
-}
+/// Incremental decoder for `Transfer-Encoding: chunked`: the reference client's (one chunked
+/// decoder in the project), behind the interface the tests use. Input may be split anywhere.
+#[derive(Debug, Default)]
+pub struct ChunkedDecoder(posthorn_client::dechunk::Dechunk);
 
 impl ChunkedDecoder {
     pub fn new() -> Self {
-        Self {
-            state: ChunkState::Size,
-            pending: Vec::new(),
-        }
+        Self::default()
     }
 
     /// True after the terminating zero-size chunk and its trailer section.
     pub fn is_done(&self) -> bool {
-        self.state == ChunkState::Done
+        self.0.finished()
     }
 
     /// Feeds raw wire bytes; returns the payload bytes they completed.
     /// Errors describe the framing violation, which is a server bug.
     pub fn feed(&mut self, input: &[u8]) -> Result<Vec<u8>, String> {
-        self.pending.extend_from_slice(input);
         let mut out = Vec::new();
-        let mut pos = 0;
-        loop {
-            match self.state {
-                ChunkState::Size => {
-                    let Some(line) = take_line(&self.pending, &mut pos) else {
-                        break;
-                    };
-                    // Chunk extensions (`;name=value`) carry nothing we need.
-                    let size_text = line.split(|&b| b == b';').next().unwrap_or_default();
-                    let size_text = String::from_utf8_lossy(size_text);
-                    let size = usize::from_str_radix(size_text.trim(), 16)
-                        .map_err(|_| format!("bad chunk size line {size_text:?}"))?;
-                    self.state = if size == 0 {
-                        ChunkState::Trailer
-                    } else {
-                        ChunkState::Data(size)
-                    };
-                }
-                ChunkState::Data(remaining) => {
-                    let available = self.pending.len() - pos;
-                    if available == 0 {
-                        break;
-                    }
-                    let take = remaining.min(available);
-                    out.extend_from_slice(&self.pending[pos..pos + take]);
-                    pos += take;
-                    self.state = if take == remaining {
-                        ChunkState::DataEnd
-                    } else {
-                        ChunkState::Data(remaining - take)
-                    };
-                }
-                ChunkState::DataEnd => {
-                    if self.pending.len() - pos < 2 {
-                        break;
-                    }
-                    if &self.pending[pos..pos + 2] != b"\r\n" {
-                        return Err(format!(
-                            "chunk data not followed by CRLF but {:?}",
-                            String::from_utf8_lossy(&self.pending[pos..pos + 2])
-                        ));
-                    }
-                    pos += 2;
-                    self.state = ChunkState::Size;
-                }
-                ChunkState::Trailer => {
-                    let Some(line) = take_line(&self.pending, &mut pos) else {
-                        break;
-                    };
-                    if line.is_empty() {
-                        self.state = ChunkState::Done;
-                    }
-                }
-                ChunkState::Done => break,
-            }
-        }
-        self.pending.drain(..pos);
+        self.0
+            .feed(input, |bytes| out.extend_from_slice(bytes))
+            .map_err(|error| error.to_string())?;
         Ok(out)
     }
-}
-
-/// Takes one CRLF-terminated line starting at `*pos` (CR stripped), or
-/// `None` when the line is not complete yet.
-fn take_line<'a>(buf: &'a [u8], pos: &mut usize) -> Option<&'a [u8]> {
-    let rel = buf[*pos..].iter().position(|&b| b == b'\n')?;
-    let line = &buf[*pos..*pos + rel];
-    *pos += rel + 1;
-    Some(line.strip_suffix(b"\r").unwrap_or(line))
 }
 
 pub(crate) fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {

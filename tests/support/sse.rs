@@ -1,7 +1,7 @@
-//! Server-Sent-Events client over a raw tokio `TcpStream`: a pure
-//! [`SseDecoder`] implementing the WHATWG event-stream parsing rules, an
-//! [`SseClient`] that undoes HTTP body framing (actix streams SSE chunked)
-//! and feeds it, and raw never-reading sockets for slow-consumer tests.
+//! Server-Sent-Events client over a raw tokio `TcpStream`: an [`SseDecoder`]
+//! on the reference client's WHATWG line splitter, an [`SseClient`] that undoes
+//! HTTP body framing (actix streams SSE chunked) and feeds it, and raw
+//! never-reading sockets for slow-consumer tests.
 
 use std::collections::VecDeque;
 use std::io;
@@ -11,6 +11,8 @@ use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpSocket, TcpStream};
 use tokio::time::Instant;
+
+use posthorn_client::parser::{Line, Lines};
 
 use super::http::{encode_request, find_header, read_head, BodyFraming};
 use super::IO_TIMEOUT;
@@ -37,16 +39,19 @@ pub enum SseNext {
     Closed,
 }
 
-/// Pure, incremental event-stream parser. Bytes may be split anywhere,
-/// including between the CR and LF of a CRLF.
+/// Incremental event-stream decoder: the reference client's line splitter (one parser of the
+/// rules in the project: line ends split anywhere, BOM, field syntax), plus what tests want to
+/// see of each event that a client does not keep (the id of the event's own block, every
+/// comment, the last `retry:`).
 #[derive(Debug, Default)]
 pub struct SseDecoder {
-    line: Vec<u8>,
-    /// The previous byte ended a line with CR, so an immediately following
-    /// LF belongs to the same line ending.
-    after_cr: bool,
-    seen_first_line: bool,
-    data: String,
+    lines: Lines,
+    block: Block,
+}
+
+#[derive(Debug, Default)]
+struct Block {
+    data: Option<String>,
     event_type: String,
     block_id: Option<String>,
     last_id: String,
@@ -63,99 +68,78 @@ impl SseDecoder {
     /// Feeds decoded body bytes; returns the events they completed.
     pub fn feed(&mut self, bytes: &[u8]) -> Vec<SseEvent> {
         let mut events = Vec::new();
-        for &b in bytes {
-            if self.after_cr {
-                self.after_cr = false;
-                if b == b'\n' {
-                    continue;
-                }
+        let block = &mut self.block;
+        self.lines.feed(bytes, |line| {
+            if let Some(event) = block.line(line) {
+                events.push(event);
             }
-            match b {
-                b'\r' | b'\n' => {
-                    self.after_cr = b == b'\r';
-                    let line = std::mem::take(&mut self.line);
-                    if let Some(ev) = self.process_line(&line) {
-                        events.push(ev);
-                    }
-                }
-                _ => self.line.push(b),
-            }
-        }
+        });
         events
     }
 
     /// The WHATWG last event ID (persists across events; `None` when unset
     /// or reset by an empty `id:`, which is what a browser would send).
     pub fn last_id(&self) -> Option<&str> {
-        (!self.last_id.is_empty()).then_some(self.last_id.as_str())
+        (!self.block.last_id.is_empty()).then_some(self.block.last_id.as_str())
     }
 
     /// Last valid `retry:` value, recorded even if no event was dispatched.
     pub fn retry(&self) -> Option<u64> {
-        self.retry
+        self.block.retry
     }
 
     /// Comment lines seen so far, without the leading ':' and one optional
     /// space, so a `: ping` keep-alive reads as `"ping"`.
     pub fn comments(&self) -> &[String] {
-        &self.comments
+        &self.block.comments
     }
 
     /// Comments added since the previous call.
     pub fn take_new_comments(&mut self) -> &[String] {
-        let start = self.comments.len() - self.new_comments;
-        self.new_comments = 0;
-        &self.comments[start..]
+        let start = self.block.comments.len() - self.block.new_comments;
+        self.block.new_comments = 0;
+        &self.block.comments[start..]
     }
+}
 
-    fn process_line(&mut self, raw: &[u8]) -> Option<SseEvent> {
-        let mut line = String::from_utf8_lossy(raw).into_owned();
-        if !self.seen_first_line {
-            self.seen_first_line = true;
-            // A byte-order mark may only appear at the very start of the stream.
-            if let Some(rest) = line.strip_prefix('\u{feff}') {
-                line = rest.to_string();
+impl Block {
+    fn line(&mut self, line: Line<'_>) -> Option<SseEvent> {
+        let text = |bytes: &[u8]| String::from_utf8_lossy(bytes).into_owned();
+        match line {
+            Line::Dispatch => return self.dispatch(),
+            Line::Comment(comment) => {
+                self.comments.push(text(comment));
+                self.new_comments += 1;
             }
-        }
-        if line.is_empty() {
-            return self.dispatch();
-        }
-        if let Some(comment) = line.strip_prefix(':') {
-            let comment = comment.strip_prefix(' ').unwrap_or(comment);
-            self.comments.push(comment.to_string());
-            self.new_comments += 1;
-            return None;
-        }
-        let (field, value) = match line.split_once(':') {
-            Some((f, v)) => (f, v.strip_prefix(' ').unwrap_or(v)),
-            None => (line.as_str(), ""),
-        };
-        match field {
-            "data" => {
-                self.data.push_str(value);
-                self.data.push('\n');
-            }
-            "event" => self.event_type = value.to_string(),
-            // An id containing NUL is ignored by the spec.
-            "id" if !value.contains('\0') => {
-                self.last_id = value.to_string();
-                self.block_id = Some(value.to_string());
-            }
-            "retry" if !value.is_empty() && value.bytes().all(|b| b.is_ascii_digit()) => {
-                self.retry = value.parse().ok();
-            }
-            _ => {}
+            Line::Field { name, value } => match name {
+                b"data" => match &mut self.data {
+                    Some(data) => {
+                        data.push('\n');
+                        data.push_str(&text(value));
+                    }
+                    None => self.data = Some(text(value)),
+                },
+                b"event" => self.event_type = text(value),
+                // An id containing NUL is ignored by the spec.
+                b"id" if !value.contains(&0) => {
+                    self.last_id = text(value);
+                    self.block_id = Some(text(value));
+                }
+                b"retry" if !value.is_empty() && value.iter().all(u8::is_ascii_digit) => {
+                    self.retry = std::str::from_utf8(value).ok().and_then(|v| v.parse().ok());
+                }
+                _ => {}
+            },
         }
         None
     }
 
     fn dispatch(&mut self) -> Option<SseEvent> {
-        let data = std::mem::take(&mut self.data);
         let event_type = std::mem::take(&mut self.event_type);
         let id = self.block_id.take();
         // No `data:` line at all (not even an empty one) means nothing to
         // dispatch; buffers are reset regardless.
-        let data = data.strip_suffix('\n')?.to_string();
+        let data = self.data.take()?;
         Some(SseEvent {
             id,
             event: if event_type.is_empty() {

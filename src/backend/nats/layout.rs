@@ -1,4 +1,4 @@
-//! Where shards live in JetStream (SPEC 3): one stream, one subject per shard,
+//! Where shards live in JetStream (docs/stream-format.md): one stream, one subject per shard,
 //! `"{subject_prefix}.{shard}"`, and how a stream sequence becomes a [`Position`].
 //!
 //! Positions are `Position { ms: 0, seq: <stream sequence> }`. Every shard's subject lives in the
@@ -89,7 +89,7 @@ mod tests {
         }
     }
 
-    /// Subjects follow SPEC 3 and read back to their shard; anything else is no shard.
+    /// Subjects follow docs/stream-format.md and read back to their shard; anything else is no shard.
     #[test]
     fn subjects_follow_the_spec() {
         let layout = layout();

@@ -1,4 +1,4 @@
-//! Reading stored JetStream messages into events (SPEC 3, NATS format).
+//! Reading stored JetStream messages into events (docs/stream-format.md, NATS format).
 //!
 //! Messages come from producers we do not control. One without a `Posthorn-Dev` header, with an
 //! invalid device id or event type, on a subject that is no shard, or with a body that is not

@@ -1,4 +1,4 @@
-//! The NATS JetStream backend (SPEC 3): one stream (`nats.stream`) over the subjects
+//! The NATS JetStream backend (docs/stream-format.md): one stream (`nats.stream`) over the subjects
 //! `{subject_prefix}.{shard}`, read by one StreamTail (one group: all shards).
 //!
 //! Written for nats-server 2.9 (what Debian and CI ship): one filter subject per consumer, no
@@ -118,8 +118,11 @@ struct Inner {
     missing_since: Mutex<Option<Instant>>,
 }
 
-fn unavailable(what: &str, error: impl std::fmt::Display) -> BackendError {
-    BackendError::Unavailable(format!("nats: {what}: {error}"))
+fn unavailable(
+    what: &str,
+    error: impl Into<Box<dyn std::error::Error + Send + Sync>>,
+) -> BackendError {
+    BackendError::unavailable_by(format!("nats: {what}"), error)
 }
 
 impl NatsBackend {
@@ -167,7 +170,7 @@ fn server_addrs(urls: &str) -> BackendResult<Vec<async_nats::ServerAddr>> {
     urls.split(',')
         .map(|url| {
             url.trim().parse().map_err(|error| {
-                BackendError::Rejected(format!(
+                BackendError::rejected(format!(
                     "nats.url: {:?} is not a server URL: {error}",
                     url.trim()
                 ))
@@ -176,7 +179,7 @@ fn server_addrs(urls: &str) -> BackendResult<Vec<async_nats::ServerAddr>> {
         .collect()
 }
 
-/// The stream posthorn needs (SPEC 3).
+/// The stream posthorn needs (docs/stream-format.md).
 fn wanted_stream(layout: &Layout, settings: &NatsSettings) -> stream::Config {
     stream::Config {
         name: layout.stream.clone(),
@@ -186,7 +189,7 @@ fn wanted_stream(layout: &Layout, settings: &NatsSettings) -> stream::Config {
         storage: StorageType::File,
         retention: RetentionPolicy::Limits,
         num_replicas: settings.nats.replicas,
-        description: Some("posthorn events: one subject per shard (SPEC 3)".into()),
+        description: Some("posthorn events: one subject per shard".into()),
         ..Default::default()
     }
 }
@@ -249,7 +252,7 @@ impl Inner {
                     .map_err(|error| unavailable("stream info", error))?
                     .clone();
                 if let Some(reason) = conflict(&info.config, &wanted) {
-                    return Err(BackendError::Rejected(format!(
+                    return Err(BackendError::rejected(format!(
                         "nats: the existing stream {} cannot be used: {reason}; delete it or \
                          choose another nats.stream",
                         self.layout.stream
@@ -272,7 +275,7 @@ impl Inner {
                     ..info.config
                 };
                 self.jetstream.update_stream(config).await.map_err(|error| {
-                    BackendError::Rejected(format!(
+                    BackendError::rejected(format!(
                         "nats: cannot update stream {}: {error}",
                         self.layout.stream
                     ))
@@ -294,7 +297,7 @@ impl Inner {
             .create_stream(config)
             .await
             .map_err(|error| {
-                BackendError::Rejected(format!(
+                BackendError::rejected(format!(
                     "nats: cannot create stream {}: {error}",
                     self.layout.stream
                 ))
@@ -310,7 +313,7 @@ impl Inner {
     /// gone either way; a new stream is a new epoch). Refreshes the epoch stamped on appends.
     async fn stream_info(&self) -> BackendResult<stream::Info> {
         if self.client.connection_state() != ConnectionState::Connected {
-            return Err(BackendError::Unavailable("nats: not connected".into()));
+            return Err(BackendError::unavailable("nats: not connected"));
         }
         let info = match self.jetstream.get_stream(&self.layout.stream).await {
             Ok(mut stream) => stream
@@ -354,7 +357,7 @@ impl Inner {
             Instant::now()
         });
         if since.elapsed() < RECREATE_AFTER {
-            return Err(BackendError::Unavailable(format!(
+            return Err(BackendError::unavailable(format!(
                 "nats: stream {} is gone and is created again shortly",
                 self.layout.stream
             )));
@@ -476,7 +479,7 @@ impl Inner {
                 .find_map(|outcome| outcome.as_ref().err())
                 .map(|failure| failure.message().to_string())
                 .unwrap_or_default();
-            return Err(BackendError::Unavailable(message));
+            return Err(BackendError::unavailable(message));
         }
         Ok(outcomes)
     }
@@ -557,8 +560,8 @@ impl Inner {
             Ok(Ok(())) => {}
             Ok(Err(error)) => return Err(error),
             Err(_) => {
-                return Err(BackendError::Unavailable(
-                    "nats: replay fetch did not complete in time".into(),
+                return Err(BackendError::unavailable(
+                    "nats: replay fetch did not complete in time",
                 ))
             }
         }
@@ -611,7 +614,7 @@ impl Inner {
     async fn ping(&self) -> BackendResult<()> {
         // Fails at once while disconnected, instead of waiting for a request to time out.
         if self.client.connection_state() != ConnectionState::Connected {
-            return Err(BackendError::Unavailable("nats: not connected".into()));
+            return Err(BackendError::unavailable("nats: not connected"));
         }
         match self.jetstream.get_stream(&self.layout.stream).await {
             Ok(_) => Ok(()),

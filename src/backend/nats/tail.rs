@@ -32,6 +32,7 @@ use super::{layout, message, unavailable, Inner};
 use crate::{
     backend::{BackendError, BackendResult, Gap, Tail, TailBatch},
     model::{Cursor, Epoch, Position, ResyncReason},
+    report::Report,
 };
 
 const CHECK_EVERY: Duration = Duration::from_secs(2);
@@ -164,7 +165,7 @@ impl NatsTail {
         let (delivered, sequence) = (info.consumer_sequence, info.stream_sequence);
         let published_ms = (info.published.unix_timestamp_nanos() / 1_000_000).max(0) as u64;
         if delivered != self.delivered + 1 {
-            return Err(BackendError::Unavailable(format!(
+            return Err(BackendError::unavailable(format!(
                 "nats: the tail consumer delivered #{delivered} after #{}",
                 self.delivered
             )));
@@ -251,7 +252,7 @@ impl NatsTail {
                     return self.broken(unavailable("tail consumer", error), batch);
                 }
                 None => {
-                    let error = BackendError::Unavailable("nats: the tail consumer ended".into());
+                    let error = BackendError::unavailable("nats: the tail consumer ended");
                     return self.broken(error, batch);
                 }
             }
@@ -275,7 +276,7 @@ impl NatsTail {
         if batch.events.is_empty() && batch.skipped == 0 && batch.gaps.is_empty() {
             Err(error)
         } else {
-            log::warn!("{error}");
+            log::warn!("{}", Report(&error));
             Ok(())
         }
     }

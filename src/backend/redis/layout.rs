@@ -72,7 +72,7 @@ mod tests {
         }
     }
 
-    /// Keys follow SPEC 3 for standalone and cluster mode.
+    /// Keys follow docs/stream-format.md for standalone and cluster mode.
     #[test]
     fn keys_follow_the_spec() {
         assert_eq!(layout(64, 1, false).stream_key(17), "pos-ev:17");

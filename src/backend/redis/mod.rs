@@ -50,6 +50,7 @@ use super::{
 use crate::{
     config::RedisConfig,
     model::{Cursor, Epoch, Position, Target},
+    report::Report,
 };
 
 /// How long start-up waits for each Redis connection.
@@ -162,7 +163,7 @@ impl Watermarks {
 }
 
 fn unavailable(error: fred::error::Error) -> BackendError {
-    BackendError::Unavailable(format!("redis: {error}"))
+    BackendError::unavailable_by("redis", error)
 }
 
 fn build_client(config: Config) -> Result<Client, BackendError> {
@@ -231,7 +232,7 @@ async fn init(client: &Client) -> BackendResult<()> {
     match tokio::time::timeout(CONNECT_TIMEOUT, client.init()).await {
         Ok(Ok(_connection_task)) => Ok(()),
         Ok(Err(error)) => Err(unavailable(error)),
-        Err(_) => Err(BackendError::Unavailable(format!(
+        Err(_) => Err(BackendError::unavailable(format!(
             "redis: no connection within {}s",
             CONNECT_TIMEOUT.as_secs()
         ))),
@@ -609,7 +610,10 @@ impl Inner {
             )
             .await;
         if let Err(error) = released {
-            log::debug!("the trim lease of group {group} is left to expire: {error}");
+            log::debug!(
+                "the trim lease of group {group} is left to expire: {}",
+                Report(&error)
+            );
         }
     }
 }
@@ -630,13 +634,15 @@ fn item_outcome(item: Option<Appended>, failures: &[Option<BackendError>]) -> It
             let reached = failures.iter().filter(|f| f.is_none()).count();
             if reached > 0 {
                 Err(ItemFailure::Incomplete(format!(
-                    "the broadcast reached {reached} of {} node groups ({error}); retry it with \
-                     its key to complete it",
-                    failures.len()
+                    "the broadcast reached {reached} of {} node groups ({}); retry it with its \
+                     key to complete it",
+                    failures.len(),
+                    Report(error)
                 )))
             } else {
                 Err(ItemFailure::Unknown(format!(
-                    "{error}; it may or may not be stored: retry it with its key"
+                    "{}; it may or may not be stored: retry it with its key",
+                    Report(error)
                 )))
             }
         }
@@ -653,10 +659,9 @@ fn parse_check(shard: u32, row: &Value) -> BackendResult<(StreamCheck, Option<bo
     let fields = reply::items(row);
     let [epoch, start, head, added, length, deleted, first, cursor_found, mark_found] = fields
     else {
-        return Err(BackendError::Rejected(
+        return Err(BackendError::rejected(
             "XINFO STREAM lacks entries-added or max-deleted-entry-id: Redis 7 or newer is \
-             required"
-                .into(),
+             required",
         ));
     };
     let position = |value: &Value, what| reply::position(value).ok_or_else(|| bad_reply(what));
@@ -720,11 +725,11 @@ fn removed_through(
 fn parse_epoch(reply: &Value) -> BackendResult<Epoch> {
     reply::text(reply)
         .and_then(|text| Epoch::new(text).ok())
-        .ok_or_else(|| BackendError::Rejected(format!("a stream's epoch marker holds {reply:?}")))
+        .ok_or_else(|| BackendError::rejected(format!("a stream's epoch marker holds {reply:?}")))
 }
 
 fn bad_reply(what: &str) -> BackendError {
-    BackendError::Rejected(format!("unexpected redis reply to {what}"))
+    BackendError::rejected(format!("unexpected redis reply to {what}"))
 }
 
 impl Backend for RedisBackend {

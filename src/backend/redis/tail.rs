@@ -193,8 +193,8 @@ impl RedisTail {
             match tokio::time::timeout(block + READ_GRACE, client.custom(command, args)).await {
                 Ok(Ok(reply)) => Ok(reply),
                 Ok(Err(error)) => Err(unavailable(error)),
-                Err(_) => Err(BackendError::Unavailable(
-                    "redis: XREAD did not return in time".into(),
+                Err(_) => Err(BackendError::unavailable(
+                    "redis: XREAD did not return in time",
                 )),
             }
         }

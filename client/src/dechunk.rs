@@ -4,10 +4,15 @@
 
 use thiserror::Error;
 
-/// A chunk size line that is not hexadecimal (or does not fit a `usize`).
+/// The body is not valid chunked framing: a size line that is not hexadecimal (or does not fit
+/// a `usize`), or chunk data not followed by its line end. A server bug, never a slow network.
 #[derive(Debug, Error, PartialEq, Eq)]
-#[error("bad chunk size line (byte {0:?})")]
-pub struct BadChunkSize(pub char);
+pub enum BadChunk {
+    #[error("bad chunk size line (byte {0:?})")]
+    Size(char),
+    #[error("chunk data not followed by CRLF (byte {0:?})")]
+    DataEnd(char),
+}
 
 /// The decoder, fed with whatever a read returned.
 #[derive(Debug, Default)]
@@ -23,7 +28,10 @@ enum ChunkState {
         extension: bool,
     },
     Data(usize),
-    DataEnd,
+    /// After a chunk's data: its CR (optional, as most decoders allow) and LF.
+    DataEnd {
+        cr: bool,
+    },
     /// After the last chunk: trailer lines up to an empty one.
     Trailer {
         line_start: bool,
@@ -43,11 +51,7 @@ impl Default for ChunkState {
 impl Dechunk {
     /// Passes the body bytes in `input` to `out`; returns how many input bytes were consumed
     /// (all of them unless the last chunk ended inside `input`).
-    pub fn feed(
-        &mut self,
-        input: &[u8],
-        mut out: impl FnMut(&[u8]),
-    ) -> Result<usize, BadChunkSize> {
+    pub fn feed(&mut self, input: &[u8], mut out: impl FnMut(&[u8])) -> Result<usize, BadChunk> {
         let mut at = 0;
         while at < input.len() {
             self.state = match self.state {
@@ -57,17 +61,17 @@ impl Dechunk {
                     out(&input[at..at + take]);
                     at += take;
                     if take == remaining {
-                        ChunkState::DataEnd
+                        ChunkState::DataEnd { cr: false }
                     } else {
                         ChunkState::Data(remaining - take)
                     }
                 }
-                ChunkState::DataEnd => {
+                ChunkState::DataEnd { cr } => {
                     at += 1;
-                    if input[at - 1] == b'\n' {
-                        ChunkState::default()
-                    } else {
-                        ChunkState::DataEnd
+                    match input[at - 1] {
+                        b'\n' => ChunkState::default(),
+                        b'\r' if !cr => ChunkState::DataEnd { cr: true },
+                        byte => return Err(BadChunk::DataEnd(byte as char)),
                     }
                 }
                 ChunkState::Trailer { line_start } => {
@@ -93,11 +97,11 @@ impl Dechunk {
                         _ => {
                             let digit = (byte as char)
                                 .to_digit(16)
-                                .ok_or(BadChunkSize(byte as char))?;
+                                .ok_or(BadChunk::Size(byte as char))?;
                             let size = size
                                 .checked_mul(16)
                                 .and_then(|size| size.checked_add(digit as usize))
-                                .ok_or(BadChunkSize(byte as char))?;
+                                .ok_or(BadChunk::Size(byte as char))?;
                             ChunkState::Size {
                                 size,
                                 extension: false,
@@ -156,8 +160,18 @@ mod tests {
     #[test]
     fn bad_sizes_are_errors() {
         let mut decoder = Dechunk::default();
-        assert_eq!(decoder.feed(b"zz\r\n", |_| {}), Err(BadChunkSize('z')));
+        assert_eq!(decoder.feed(b"zz\r\n", |_| {}), Err(BadChunk::Size('z')));
         let mut decoder = Dechunk::default();
         assert!(decoder.feed(b"fffffffffffffffff\r\n", |_| {}).is_err());
+    }
+
+    /// A chunk longer than its size line says is a framing error, not data.
+    #[test]
+    fn data_past_its_size_is_an_error() {
+        let mut decoder = Dechunk::default();
+        assert_eq!(
+            decoder.feed(b"2\r\nabc\r\n", |_| {}),
+            Err(BadChunk::DataEnd('c'))
+        );
     }
 }

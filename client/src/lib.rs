@@ -1,4 +1,4 @@
-//! The reference POS client (SPEC 9), used by `posthorn tail` and embeddable in a Rust POS app.
+//! The reference POS client (docs/client-contract.md), used by `posthorn tail` and embeddable in a Rust POS app.
 //!
 //! - Sends `Last-Event-ID` from its stored cursor (at-least-once: the cursor is persisted
 //!   atomically after each event was handed to the application) or none (at-most-once: no

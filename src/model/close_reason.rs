@@ -1,9 +1,7 @@
 //! Every end of a connection as an enum: logs, metric labels and tests use exactly these (the
-//! reasons for a resync are [`ResyncReason`], in the model).
+//! reasons for a resync are [`super::ResyncReason`]).
 
 use std::fmt;
-
-pub use crate::model::ResyncReason;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum CloseReason {

@@ -7,6 +7,7 @@
 //! it: the client went away).
 //! Sends: [`Register`] when opened and [`Unregister`] on stop to the Router, through its worker's
 //! membership outbox (`membership.rs`: one Router message per turn of the worker, not per stream).
+//! Opened by the HTTP edge through [`StreamOpener`]; the Router sees only its [`Route`].
 //! Registration: `open` returns only when its `Register` is in the Router's mailbox; the HTTP
 //! handler answers after that, without waiting for the Router to handle it. Any event appended to
 //! the backend after that moment reaches the Router behind it (a tail reads it later, and the
@@ -16,7 +17,7 @@
 //! replay slot is free: bounded and shared, see `replay/`), then ends the replay with
 //! `ReplayEnd` and the body switches to the live queue, skipping what was replayed.
 //! Backpressure: the Router `try_send`s into the queue; full → `CloseReason::SlowConsumer`, and
-//! the socket is shut at once (see `sse::control`). Replay pages wait on the replay channel, i.e.
+//! the socket is shut at once (see `control.rs`). Replay pages wait on the replay channel, i.e.
 //! on the client's reading speed, while live events accumulate in the bounded queue.
 //! Drain: `AnnounceRetry(ms)` queues `retry: ms` at once and keeps it for the close; later
 //! `Close { Drain }` leaves the Router, drops this actor's queue sender and stops a replay in
@@ -27,10 +28,7 @@
 
 use std::{
     rc::Rc,
-    sync::{
-        atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering},
-        Arc,
-    },
+    sync::Arc,
     time::{Duration, Instant},
 };
 
@@ -38,21 +36,19 @@ use actix::prelude::*;
 use tokio::sync::mpsc;
 
 use super::{
-    close_reason::CloseReason,
-    membership::{Joined, Membership, Outbox, RouterGone},
-    router::{Register, Unregister},
+    body::SseBody,
+    control::StreamControl,
+    membership::{Joined, Outbox, Register, RouterGone, Unregister},
+    queue::{self, QueueSender},
+    CloseHandle, Route, StreamOpener,
 };
 use crate::{
     metrics::Metrics,
-    model::DeviceId,
+    model::{CloseReason, DeviceId},
+    pod::PodState,
     replay::{ReplayError, Replayer},
-    sse::{
-        body::SseBody,
-        control::StreamControl,
-        frame,
-        queue::{self, QueueSender},
-        QueueItem,
-    },
+    report::Report,
+    sse::{frame, QueueItem},
 };
 
 /// Replayed frames buffered ahead of the client; replay waits when the client reads slowly.
@@ -106,75 +102,6 @@ pub struct DrainTarget {
     pub close: Recipient<Close>,
 }
 
-/// Pod-wide state shared by the HTTP edge, the Connections and the Shutdown actor.
-#[derive(Debug, Default)]
-pub struct HubState {
-    draining: AtomicBool,
-    /// Set when a drain hit its grace deadline with streams still open; the process exits 1.
-    drain_forced: AtomicBool,
-    connections: AtomicUsize,
-    /// Response bodies alive: a closed connection may still be writing what it had queued.
-    open_streams: AtomicUsize,
-    next_connection_id: AtomicU64,
-}
-
-impl HubState {
-    pub fn is_draining(&self) -> bool {
-        self.draining.load(Ordering::Acquire)
-    }
-
-    pub fn start_draining(&self) -> bool {
-        !self.draining.swap(true, Ordering::AcqRel)
-    }
-
-    pub fn connections(&self) -> usize {
-        self.connections.load(Ordering::Acquire)
-    }
-
-    pub fn open_streams(&self) -> usize {
-        self.open_streams.load(Ordering::Acquire)
-    }
-
-    pub fn stream_opened(&self) {
-        self.open_streams.fetch_add(1, Ordering::AcqRel);
-    }
-
-    pub fn stream_closed(&self) {
-        self.open_streams.fetch_sub(1, Ordering::AcqRel);
-    }
-
-    pub fn mark_drain_forced(&self) {
-        self.drain_forced.store(true, Ordering::Release);
-    }
-
-    pub fn drain_was_forced(&self) -> bool {
-        self.drain_forced.load(Ordering::Acquire)
-    }
-
-    /// Takes a connection slot unless `limit` (0 = none) is reached.
-    pub fn try_acquire_connection(&self, limit: usize) -> bool {
-        self.connections
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |open| {
-                (limit == 0 || open < limit).then_some(open + 1)
-            })
-            .is_ok()
-    }
-
-    fn release_connection(&self) {
-        self.connections.fetch_sub(1, Ordering::AcqRel);
-    }
-
-    fn next_id(&self) -> u64 {
-        self.next_connection_id.fetch_add(1, Ordering::Relaxed)
-    }
-}
-
-/// The Router's input a Connection uses, injected so tests can put a probe in its place.
-#[derive(Clone)]
-pub struct RouterLink {
-    pub membership: Recipient<Membership>,
-}
-
 /// Everything needed to open a stream; the HTTP edge fills it after validating the request.
 pub struct OpenStream {
     pub device: DeviceId,
@@ -209,24 +136,27 @@ pub struct Connection {
     outbox: Rc<Outbox>,
     replayer: Arc<Replayer>,
     metrics: Arc<Metrics>,
-    hub: Arc<HubState>,
+    pod: Arc<PodState>,
     /// Why the stream ends, once decided; the first reason wins.
     closing: Option<CloseReason>,
 }
 
 impl Connection {
     /// Starts the actor on the current arbiter, registers it with the Router, and returns the
-    /// response body it feeds plus the actor's control handle once the registration is in the
+    /// response body it feeds plus the actor's close handle once the registration is in the
     /// Router's mailbox. The caller has taken a connection slot with
-    /// [`HubState::try_acquire_connection`]; the actor returns it when it stops. Runs on an HTTP
-    /// worker (the registration goes through the worker's outbox).
-    pub async fn open(
+    /// [`PodState::try_acquire_connection`]; the actor returns it when it stops. Runs on the HTTP
+    /// worker whose `opener` it is (the registration goes through the worker's outbox).
+    pub(super) async fn open(
         stream: OpenStream,
-        router: RouterLink,
-        replayer: Arc<Replayer>,
-        metrics: Arc<Metrics>,
-        hub: Arc<HubState>,
-    ) -> Result<(SseBody, Recipient<Close>), RouterGone> {
+        opener: &StreamOpener,
+    ) -> Result<(SseBody, CloseHandle), RouterGone> {
+        let (outbox, replayer, metrics, pod) = (
+            opener.outbox.clone(),
+            opener.replayer.clone(),
+            opener.metrics.clone(),
+            opener.pod.clone(),
+        );
         let (queue, live) = queue::channel(stream.queue_limit);
         let (resume, replay) = match stream.cursor {
             Some(cursor) => {
@@ -236,26 +166,27 @@ impl Connection {
             None => (None, None),
         };
         let control = Arc::new(StreamControl::new(stream.socket_fd));
-        let id = hub.next_id();
+        let id = pod.next_connection_id();
         // The registration names the actor's address, and the actor needs the registration's
         // ticket: take the address from a context that runs the actor afterwards.
         let context = Context::new();
         let address = context.address();
-        let outbox = Outbox::of_this_thread(&router.membership);
         let joined = outbox
             .join(Register {
                 device: stream.device.clone(),
                 shard: stream.shard,
-                connection_id: id,
-                queue: queue.clone(),
-                control: DrainTarget {
-                    announce: address.clone().recipient(),
-                    close: address.clone().recipient(),
+                route: Route {
+                    connection_id: id,
+                    queue: queue.clone(),
+                    control: DrainTarget {
+                        announce: address.clone().recipient(),
+                        close: address.clone().recipient(),
+                    },
                 },
             })
             .inspect_err(|_| {
                 // No actor will run to give the caller's slot back.
-                hub.release_connection();
+                pod.release_connection();
             })?;
         let body = SseBody::new(
             frame::prelude(stream.retry_ms),
@@ -264,7 +195,7 @@ impl Connection {
             control.clone(),
             address.clone().recipient(),
             metrics.clone(),
-            hub.clone(),
+            pod.clone(),
         );
         context.run(Connection {
             id,
@@ -279,11 +210,11 @@ impl Connection {
             outbox,
             replayer,
             metrics,
-            hub,
+            pod,
             closing: None,
         });
         joined.wait().await;
-        Ok((body, address.recipient()))
+        Ok((body, CloseHandle(address.recipient())))
     }
 
     /// Ends the stream at once: nothing queued is written.
@@ -370,7 +301,7 @@ impl Actor for Connection {
                     ctx.stop();
                 }
                 Err(error) => {
-                    log::warn!("stream of {} failed: {error}", connection.device);
+                    log::warn!("stream of {} failed: {}", connection.device, Report(&error));
                     connection.abort(CloseReason::Error);
                     ctx.stop();
                 }
@@ -386,7 +317,7 @@ impl Actor for Connection {
         log::debug!("stream of {} closed: {reason}", self.device);
         self.metrics.sse_connections.dec();
         self.metrics.connection_closed(reason);
-        self.hub.release_connection();
+        self.pod.release_connection();
     }
 }
 

@@ -20,7 +20,7 @@ use std::{
 
 use futures_util::task::AtomicWaker;
 
-use super::QueueItem;
+use crate::sse::QueueItem;
 
 /// Storage kept after the queue drained; more is released so a burst does not pin memory.
 const RETAINED_CAPACITY: usize = 16;

@@ -12,7 +12,8 @@
 //! replay of a resuming stream also starts only then. Joins and leaves of one worker leave in the
 //! order they were made, so a stream that is gone before its batch was sent is removed right
 //! after it was added. Not an actor: the outbox belongs to the worker thread, like the
-//! Connections it serves.
+//! Connections it serves; each HTTP worker builds its own [`super::StreamOpener`] and with it
+//! its outbox.
 
 use std::{
     cell::{Cell, RefCell},
@@ -23,7 +24,8 @@ use std::{
 use actix::prelude::*;
 use tokio::sync::Notify;
 
-use super::router::{Register, Unregister};
+use super::Route;
+use crate::model::DeviceId;
 
 /// Joins and leaves for the Router, in the order they were made on one worker.
 #[derive(Message)]
@@ -33,6 +35,20 @@ pub struct Membership(pub Vec<Change>);
 pub enum Change {
     Join(Register),
     Leave(Unregister),
+}
+
+/// A stream joins: from now on its device's events go into its route's queue.
+pub struct Register {
+    pub device: DeviceId,
+    pub shard: u32,
+    pub route: Route,
+}
+
+/// A stream has ended; its route goes unless a newer stream of the device took it over.
+pub struct Unregister {
+    pub device: DeviceId,
+    pub shard: u32,
+    pub connection_id: u64,
 }
 
 /// The Router's mailbox is closed: the hub is shutting down.
@@ -73,27 +89,13 @@ impl Joined {
     }
 }
 
-thread_local! {
-    static OUTBOXES: RefCell<Vec<Rc<Outbox>>> = const { RefCell::new(Vec::new()) };
-}
-
 impl Outbox {
-    /// This thread's outbox for `router` (one per Router: tests may run several hubs in one
-    /// process).
-    pub fn of_this_thread(router: &Recipient<Membership>) -> Rc<Outbox> {
-        OUTBOXES.with(|outboxes| {
-            let mut outboxes = outboxes.borrow_mut();
-            outboxes.retain(|outbox| outbox.router.connected());
-            if let Some(outbox) = outboxes.iter().find(|outbox| outbox.router == *router) {
-                return outbox.clone();
-            }
-            let outbox = Rc::new(Outbox {
-                router: router.clone(),
-                pending: RefCell::default(),
-                batch: RefCell::default(),
-            });
-            outboxes.push(outbox.clone());
-            outbox
+    /// The outbox of the calling worker thread; it must stay on that thread.
+    pub fn new(router: Recipient<Membership>) -> Rc<Outbox> {
+        Rc::new(Outbox {
+            router,
+            pending: RefCell::default(),
+            batch: RefCell::default(),
         })
     }
 
@@ -134,11 +136,7 @@ impl Outbox {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{
-        actors::connection::{AnnounceRetry, Close, DrainTarget},
-        model::DeviceId,
-        sse::queue,
-    };
+    use crate::stream::{queue, AnnounceRetry, Close, DrainTarget};
 
     /// Stands in for the Router: records each `Membership` as (join?, connection id) pairs.
     #[derive(Default)]
@@ -157,7 +155,7 @@ mod tests {
             let batch = changes
                 .iter()
                 .map(|change| match change {
-                    Change::Join(register) => (true, register.connection_id),
+                    Change::Join(register) => (true, register.route.connection_id),
                     Change::Leave(unregister) => (false, unregister.connection_id),
                 })
                 .collect();
@@ -194,11 +192,13 @@ mod tests {
         Register {
             device: DeviceId::parse(&format!("pos-{connection_id}")).unwrap(),
             shard: 0,
-            connection_id,
-            queue: queue::channel(4).0,
-            control: DrainTarget {
-                announce: probe.clone().recipient(),
-                close: probe.clone().recipient(),
+            route: Route {
+                connection_id,
+                queue: queue::channel(4).0,
+                control: DrainTarget {
+                    announce: probe.clone().recipient(),
+                    close: probe.clone().recipient(),
+                },
             },
         }
     }
@@ -214,7 +214,7 @@ mod tests {
     #[actix_rt::test]
     async fn joins_of_one_turn_reach_the_router_as_one_message_before_they_resolve() {
         let probe = Probe::default().start();
-        let outbox = Outbox::of_this_thread(&probe.clone().recipient());
+        let outbox = Outbox::new(probe.clone().recipient());
         let joined: Vec<Joined> = (1..=3)
             .map(|id| outbox.join(register(id, &probe)).unwrap())
             .collect();
@@ -237,7 +237,7 @@ mod tests {
     #[actix_rt::test]
     async fn a_leave_goes_at_once_behind_the_joins_still_waiting() {
         let probe = Probe::default().start();
-        let outbox = Outbox::of_this_thread(&probe.clone().recipient());
+        let outbox = Outbox::new(probe.clone().recipient());
         let joined = outbox.join(register(1, &probe)).unwrap();
         outbox.leave(unregister(1));
         assert!(joined.0.done.get(), "the join left with the leave");
@@ -248,20 +248,5 @@ mod tests {
         // The batch task that the join scheduled finds nothing left and sends nothing.
         actix_rt::task::yield_now().await;
         assert_eq!(probe.send(Seen).await.unwrap().len(), 1);
-    }
-
-    #[actix_rt::test]
-    async fn each_router_has_its_own_outbox() {
-        let (first, second) = (Probe::default().start(), Probe::default().start());
-        let a = Outbox::of_this_thread(&first.clone().recipient());
-        let b = Outbox::of_this_thread(&second.clone().recipient());
-        assert!(!Rc::ptr_eq(&a, &b));
-        assert!(Rc::ptr_eq(
-            &a,
-            &Outbox::of_this_thread(&first.clone().recipient())
-        ));
-        a.join(register(1, &first)).unwrap().wait().await;
-        assert_eq!(first.send(Seen).await.unwrap(), vec![vec![(true, 1)]]);
-        assert!(second.send(Seen).await.unwrap().is_empty());
     }
 }

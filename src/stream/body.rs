@@ -35,11 +35,12 @@ use actix_web::body::{BodySize, MessageBody};
 use bytes::{Bytes, BytesMut};
 use tokio::sync::mpsc;
 
-use super::{control::StreamControl, frame, queue::QueueReceiver, QueueItem};
+use super::{connection::BodyDropped, control::StreamControl, queue::QueueReceiver};
 use crate::{
-    actors::connection::{BodyDropped, HubState},
     metrics::Metrics,
     model::{EpochId, Position, ResyncReason},
+    pod::PodState,
+    sse::{frame, QueueItem},
 };
 
 /// Largest chunk assembled from queued frames before handing it to actix.
@@ -74,7 +75,7 @@ pub struct SseBody {
     on_drop: Option<Recipient<BodyDropped>>,
     metrics: Arc<Metrics>,
     /// Counts this body among the pod's open streams until it is dropped.
-    hub: Arc<HubState>,
+    pod: Arc<PodState>,
 }
 
 impl SseBody {
@@ -85,9 +86,9 @@ impl SseBody {
         control: Arc<StreamControl>,
         on_drop: Recipient<BodyDropped>,
         metrics: Arc<Metrics>,
-        hub: Arc<HubState>,
+        pod: Arc<PodState>,
     ) -> Self {
-        hub.stream_opened();
+        pod.stream_opened();
         if replay.is_some() {
             live.set_replaying(true);
         }
@@ -102,7 +103,7 @@ impl SseBody {
             control,
             on_drop: Some(on_drop),
             metrics,
-            hub,
+            pod,
         }
     }
 
@@ -304,7 +305,7 @@ impl MessageBody for SseBody {
 impl Drop for SseBody {
     fn drop(&mut self) {
         self.control.release();
-        self.hub.stream_closed();
+        self.pod.stream_closed();
         if let Some(connection) = self.on_drop.take() {
             connection.do_send(BodyDropped);
         }
