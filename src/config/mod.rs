@@ -1285,6 +1285,144 @@ mod tests {
         assert!(!format!("{c:?}").contains("s3cret"));
     }
 
+    /// A configuration that sets every key of every section away from its default, with a JWT
+    /// secret and passwords in every URL.
+    const EVERY_KEY_SET: &str = r#"
+[server]
+listen = "0.0.0.0:9090"
+workers = 3
+insecure = true
+cors_origins = ["https://a.example", "*"]
+[backend]
+kind = "redis"
+[memory]
+retention = "5m"
+max_len = 20
+shards = 8
+[redis]
+url = "redis://user:pw1@r1:6379/2"
+urls = ["redis://:pw2@r2:6379", "redis://r3:6379"]
+cluster = false
+groups = 2
+shards = 32
+prefix = "ev"
+block = "1500ms"
+count = 50
+retention = "2h"
+max_len = 300
+[nats]
+url = "nats://u:pw3@n1:4222,nats://n2:4222"
+stream = "EV"
+subject_prefix = "a.b"
+retention = "30m"
+shards = 16
+replicas = 3
+[sse]
+queue_limit = 10
+heartbeat = "250ms"
+stall_timeout = "0s"
+send_buffer = 0
+retry_ms = 1500
+[drain]
+grace = "1m"
+readiness_delay = "5s"
+retry_min = "2s"
+retry_max = "90s"
+close_rate = 7
+[auth]
+mode = "jwt"
+jwt_secret = "s3cret"
+jwt_public_key_file = ""
+[publish]
+dedupe_window = "1h"
+[limits]
+max_event_bytes = 1000
+max_batch = 5
+max_connections = 100
+max_body_bytes = 2000
+[replay]
+max_concurrent = 4
+cache_entries = 0
+"#;
+
+    /// `/admin/status` shows the whole configuration in exactly this shape: every section and
+    /// key, durations as written, the secret as "(set)"/"(empty)", URLs without their passwords.
+    #[test]
+    fn summary_of_every_key() {
+        let c = load(EVERY_KEY_SET, &[]).expect("valid");
+        let expected = serde_json::json!({
+            "server": {
+                "listen": "0.0.0.0:9090",
+                "workers": 3,
+                "effective_workers": 3,
+                "insecure": true,
+                "cors_origins": ["https://a.example", "*"],
+            },
+            "backend": { "kind": "redis" },
+            "memory": { "retention": "5m", "max_len": 20, "shards": 8 },
+            "redis": {
+                "url": "redis://(redacted)@r1:6379/2",
+                "urls": ["redis://(redacted)@r2:6379", "redis://r3:6379"],
+                "cluster": false,
+                "groups": 2,
+                "shards": 32,
+                "prefix": "ev",
+                "block": "1500ms",
+                "count": 50,
+                "retention": "2h",
+                "max_len": 300,
+            },
+            "nats": {
+                "url": "nats://(redacted)@n1:4222,nats://n2:4222",
+                "stream": "EV",
+                "subject_prefix": "a.b",
+                "retention": "30m",
+                "shards": 16,
+                "replicas": 3,
+            },
+            "sse": {
+                "queue_limit": 10,
+                "heartbeat": "250ms",
+                "stall_timeout": "0s",
+                "send_buffer": 0,
+                "retry_ms": 1500,
+            },
+            "drain": {
+                "grace": "1m",
+                "readiness_delay": "5s",
+                "retry_min": "2s",
+                "retry_max": "90s",
+                "close_rate": 7,
+            },
+            "auth": { "mode": "jwt", "jwt_secret": "(set)", "jwt_public_key_file": "" },
+            "publish": { "dedupe_window": "1h" },
+            "limits": {
+                "max_event_bytes": 1000,
+                "max_batch": 5,
+                "max_connections": 100,
+                "max_body_bytes": 2000,
+            },
+            "replay": { "max_concurrent": 4, "cache_entries": 0 },
+        });
+        assert_eq!(c.summary(), expected);
+        // The text /admin/status writes, not only the value: same keys in the same order.
+        assert_eq!(c.summary().to_string(), expected.to_string());
+
+        let c = load(
+            "[auth]\nmode = \"jwt\"\njwt_public_key_file = \"/etc/posthorn/k.pem\"\n",
+            &[],
+        )
+        .expect("valid");
+        assert_eq!(
+            c.summary()["auth"],
+            serde_json::json!({
+                "mode": "jwt",
+                "jwt_secret": "(empty)",
+                "jwt_public_key_file": "/etc/posthorn/k.pem",
+            })
+        );
+    }
+
     /// A missing file is an I/O error naming the path, with exit code 64.
     #[test]
     fn missing_file() {
