@@ -65,7 +65,9 @@ pub fn check_servable(config: &Config) -> Result<(), ServeError> {
     }
     let redis_urls = std::iter::once(&config.redis.url).chain(&config.redis.urls);
     if config.backend.kind == BackendKind::Redis
-        && redis_urls.clone().any(|url| url.starts_with("rediss://"))
+        && redis_urls
+            .clone()
+            .any(|url| url.as_str().starts_with("rediss://"))
     {
         // fred is built without a TLS feature: a rediss:// URL would silently connect in plain text.
         return Err(ServeError::Unservable(
