@@ -508,8 +508,9 @@ mod tests {
         assert!(!format!("{c:?}").contains("s3cret"));
     }
 
-    /// A configuration that sets every key of every section away from its default, with a JWT
-    /// secret and passwords in every URL.
+    /// A configuration that sets every key of every section (all but `redis.cluster` and
+    /// `auth.jwt_public_key_file` away from their defaults), with a JWT secret and passwords in
+    /// the URLs.
     const EVERY_KEY_SET: &str = r#"
 [server]
 listen = "0.0.0.0:9090"
@@ -644,6 +645,31 @@ cache_entries = 0
                 "jwt_public_key_file": "/etc/posthorn/k.pem",
             })
         );
+    }
+
+    /// The summary has exactly the sections and keys of the file, plus the resolved
+    /// `server.effective_workers`: a key added to raw.rs cannot be missing from /admin/status.
+    #[test]
+    fn summary_keys_are_the_file_keys() {
+        use std::collections::BTreeSet;
+        let summary = Config::default().summary();
+        let summary = summary.as_object().expect("an object");
+        let schema = raw::schema();
+        let names = |keys: Vec<&String>| keys.into_iter().cloned().collect::<BTreeSet<_>>();
+        assert_eq!(
+            names(summary.keys().collect()),
+            names(schema.keys().collect())
+        );
+        for (section, keys) in &schema {
+            let mut expected = names(keys.as_table().expect("a table").keys().collect());
+            if section == "server" {
+                expected.insert("effective_workers".into());
+            }
+            let shown = summary[section]
+                .as_object()
+                .unwrap_or_else(|| panic!("{section} is not an object"));
+            assert_eq!(names(shown.keys().collect()), expected, "[{section}]");
+        }
     }
 
     /// `{:?}` of the whole tree, as a log line would write it, shows neither the JWT secret
