@@ -21,7 +21,7 @@ use crate::{
         redis::{RedisBackend, RedisSettings},
         Backend, BackendError, MemoryBackend,
     },
-    config::{AuthMode, BackendKind, Config},
+    config::{AuthMode, BackendChoice, Config},
     http::{self, AppState},
     metrics::Metrics,
     pod::PodState,
@@ -51,8 +51,8 @@ pub enum ServeError {
     Io(#[from] io::Error),
 }
 
-/// Checks what the typed configuration cannot express on its own: secure defaults and features
-/// this build does not have yet.
+/// Checks what the typed configuration cannot express on its own: secure defaults. (A feature
+/// this build does not have, TLS to Redis, is refused where the Redis backend is built.)
 pub fn check_servable(config: &Config) -> Result<(), ServeError> {
     if config.auth.mode == AuthMode::None && !config.listen_is_loopback() && !config.server.insecure
     {
@@ -63,48 +63,46 @@ pub fn check_servable(config: &Config) -> Result<(), ServeError> {
             config.server.listen
         )));
     }
-    let redis_urls = std::iter::once(&config.redis.url).chain(&config.redis.urls);
-    if config.backend.kind == BackendKind::Redis
-        && redis_urls.clone().any(|url| url.starts_with("rediss://"))
-    {
-        // fred is built without a TLS feature: a rediss:// URL would silently connect in plain text.
-        return Err(ServeError::Unservable(
-            "redis.url / redis.urls: rediss:// (TLS) is not supported by this build; use redis:// \
-             through a TLS tunnel or sidecar, or a private network"
-                .into(),
-        ));
-    }
     Ok(())
 }
 
 /// Entries per memory tail read: one Router batch, as `redis.count` is for a Redis tail.
 const MEMORY_TAIL_BATCH: usize = 500;
 
-pub fn redis_settings(config: &Config) -> RedisSettings {
-    RedisSettings {
-        redis: config.redis.clone(),
-        dedupe_window: config.publish.dedupe_window,
-    }
-}
-
+/// Builds the backend `backend.kind` selects: the one place that matches on it.
 pub async fn build_backend(config: &Config) -> Result<Arc<dyn Backend>, ServeError> {
-    Ok(match config.backend.kind {
-        BackendKind::Memory => Arc::new(MemoryBackend::new(MemorySettings {
-            shards: config.memory.shards,
-            retention: config.memory.retention,
-            max_len: config.memory.max_len,
+    let dedupe_window = config.publish.dedupe_window;
+    Ok(match config.backend_choice() {
+        BackendChoice::Memory(memory) => Arc::new(MemoryBackend::new(MemorySettings {
+            shards: memory.shards,
+            retention: memory.retention,
+            max_len: memory.max_len,
             tail_count: MEMORY_TAIL_BATCH,
-            dedupe_window: config.publish.dedupe_window,
+            dedupe_window,
         })),
-        BackendKind::Redis => Arc::new(
-            RedisBackend::connect(redis_settings(config))
+        BackendChoice::Redis(redis) => {
+            if redis.wants_tls() {
+                // fred is built without a TLS feature: a rediss:// URL would silently connect in
+                // plain text.
+                return Err(ServeError::Unservable(
+                    "redis.url / redis.urls: rediss:// (TLS) is not supported by this build; use \
+                     redis:// through a TLS tunnel or sidecar, or a private network"
+                        .into(),
+                ));
+            }
+            Arc::new(
+                RedisBackend::connect(RedisSettings {
+                    redis: redis.clone(),
+                    dedupe_window,
+                })
                 .await
                 .map_err(ServeError::Backend)?,
-        ),
-        BackendKind::Nats => Arc::new(
+            )
+        }
+        BackendChoice::Nats(nats) => Arc::new(
             NatsBackend::connect(NatsSettings {
-                nats: config.nats.clone(),
-                dedupe_window: config.publish.dedupe_window,
+                nats: nats.clone(),
+                dedupe_window,
             })
             .await
             .map_err(ServeError::Backend)?,
@@ -140,7 +138,7 @@ pub fn serve(config: Config) -> Result<(), ServeError> {
         });
 
         let tail_arbiter = Arbiter::new();
-        let retention = retention_of(&config);
+        let retention = config.backend_choice().retention();
         let mut tail_statuses = Vec::new();
         let mut tail_stops = Vec::new();
         for group in 0..groups.len() {
@@ -246,13 +244,5 @@ async fn wait_for_tails(statuses: &[SharedTailStatus]) -> Result<(), ServeError>
             });
         }
         tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-    }
-}
-
-fn retention_of(config: &Config) -> std::time::Duration {
-    match config.backend.kind {
-        BackendKind::Memory => config.memory.retention,
-        BackendKind::Redis => config.redis.retention,
-        BackendKind::Nats => config.nats.retention,
     }
 }

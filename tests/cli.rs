@@ -173,6 +173,21 @@ async fn values_the_hub_cannot_honour_exit_64() {
     assert_config_error(&[("POSTHORN_REDIS__BLOCK", "0s")], &[], "redis.block").await;
 }
 
+/// Bug pinned: `serve --backend nats` switched the backend after validation, so a
+/// `publish.dedupe_window` longer than `nats.retention` got past the rule `backend.kind = "nats"`
+/// is held to, and JetStream refused the stream at start-up. The flag is now checked like the
+/// key; an unknown `--backend` exits 64 naming the flag.
+#[tokio::test]
+async fn backend_flag_is_validated_like_the_key() {
+    assert_config_error(
+        &[("POSTHORN_NATS__RETENTION", "5m")],
+        &["--backend", "nats"],
+        "publish.dedupe_window",
+    )
+    .await;
+    assert_config_error(&[], &["--backend", "kafka"], "--backend").await;
+}
+
 /// A missing `--config` file exits 64 naming the file.
 #[tokio::test]
 async fn missing_config_file_exits_64() {

@@ -26,16 +26,12 @@ pub fn run(args: ServeArgs) -> Result<(), CliError> {
         config.server.listen = listen;
     }
     if let Some(kind) = args.backend {
-        config.backend.kind = match kind.as_str() {
-            "memory" => BackendKind::Memory,
-            "redis" => BackendKind::Redis,
-            "nats" => BackendKind::Nats,
-            other => {
-                return Err(CliError::Usage(format!(
-                    "--backend: unknown backend {other:?} (memory, redis, nats)"
-                )))
-            }
-        };
+        let kind = BackendKind::from_name(&kind).ok_or_else(|| {
+            CliError::Usage(format!(
+                "--backend: unknown backend {kind:?} (memory, redis, nats)"
+            ))
+        })?;
+        config.select_backend(kind)?;
     }
     config.server.insecure |= args.insecure;
     hub::serve(config)?;

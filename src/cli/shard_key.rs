@@ -35,7 +35,7 @@ pub fn run(args: ShardKeyArgs) -> Result<(), CliError> {
     let mut line = format!("shard={shard} key={}", stream_key(&config, shard));
     if !config.redis.urls.is_empty() {
         let group = layout_of(&config.redis).group_of(shard);
-        line.push_str(&format!(" instance={}", config.redis.urls[group]));
+        line.push_str(&format!(" instance={}", config.redis.urls[group].as_str()));
     }
     println!("{line}");
     Ok(())

@@ -52,7 +52,7 @@ pub fn run(args: TokenArgs) -> Result<(), CliError> {
     if let Some(scope) = args.scope {
         claims["scope"] = json!(scope);
     }
-    let key = EncodingKey::from_secret(config.auth.jwt_secret.as_bytes())
+    let key = EncodingKey::from_secret(config.auth.jwt_secret.expose().as_bytes())
         .map_err(|error| CliError::Usage(format!("auth.jwt_secret: {error}")))?;
     let token = jsonwebtoken::encode(&Header::default(), &claims, &key)
         .map_err(|error| CliError::Failed(format!("cannot sign the token: {error}")))?;

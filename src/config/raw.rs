@@ -3,10 +3,11 @@
 //! `i64`) together with the built-in defaults.
 //!
 //! Integers stay `i64` here on purpose: a negative or oversized number must
-//! reach validation in `mod.rs`, which names the key in its error, instead of
-//! failing inside serde with a message that does not. `RawConfig::default()`
-//! serialized to TOML is also the schema the file check and the environment
-//! overlay work from, so every key is listed exactly once: here.
+//! reach validation in its section's file (`server.rs`, `redis.rs`, ...),
+//! which names the key in its error, instead of failing inside serde with a
+//! message that does not. `RawConfig::default()` serialized to TOML is also
+//! the schema the file check and the environment overlay work from, so every
+//! key is listed exactly once: here.
 
 use serde::{Deserialize, Serialize};
 
@@ -202,7 +203,7 @@ impl std::fmt::Debug for RawAuth {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RawAuth")
             .field("mode", &self.mode)
-            .field("jwt_secret", &super::secret_marker(&self.jwt_secret))
+            .field("jwt_secret", &super::secret::marker(&self.jwt_secret))
             .field("jwt_public_key_file", &self.jwt_public_key_file)
             .finish()
     }

@@ -81,7 +81,7 @@ impl Authenticator {
                 }
             }
             None => (
-                DecodingKey::from_secret(config.jwt_secret.as_bytes())
+                DecodingKey::from_secret(config.jwt_secret.expose().as_bytes())
                     .map_err(|error| format!("auth.jwt_secret: {error}"))?,
                 Algorithm::HS256,
             ),

@@ -78,7 +78,7 @@ use super::{
     ShardState, StoredEvent, Tail,
 };
 use crate::{
-    config::NatsConfig,
+    config::{NatsConfig, RedactedUrl},
     model::{shard_of, Cursor, Epoch, Position, Target},
 };
 
@@ -164,15 +164,15 @@ impl NatsBackend {
     }
 }
 
-/// The servers of `nats.url`: one URL, or several separated by commas (the nodes of one
-/// cluster; the client also learns the others from the first server it reaches).
-fn server_addrs(urls: &str) -> BackendResult<Vec<async_nats::ServerAddr>> {
-    urls.split(',')
+/// The servers of `nats.url`: one URL, or several (the nodes of one cluster; the client also
+/// learns the others from the first server it reaches).
+fn server_addrs(urls: &[RedactedUrl]) -> BackendResult<Vec<async_nats::ServerAddr>> {
+    urls.iter()
         .map(|url| {
-            url.trim().parse().map_err(|error| {
+            url.as_str().trim().parse().map_err(|error| {
                 BackendError::rejected(format!(
                     "nats.url: {:?} is not a server URL: {error}",
-                    url.trim()
+                    url.redacted().trim()
                 ))
             })
         })

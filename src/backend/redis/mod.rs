@@ -191,17 +191,19 @@ impl RedisBackend {
     pub async fn connect(settings: RedisSettings) -> BackendResult<Self> {
         let redis = &settings.redis;
         let clients = if redis.cluster {
-            let config = Config::from_url_clustered(&redis.url).map_err(unavailable)?;
+            let config = Config::from_url_clustered(redis.url.as_str()).map_err(unavailable)?;
             vec![build_client(config)?]
         } else if redis.urls.is_empty() {
             vec![build_client(
-                Config::from_url_centralized(&redis.url).map_err(unavailable)?,
+                Config::from_url_centralized(redis.url.as_str()).map_err(unavailable)?,
             )?]
         } else {
             redis
                 .urls
                 .iter()
-                .map(|url| build_client(Config::from_url_centralized(url).map_err(unavailable)?))
+                .map(|url| {
+                    build_client(Config::from_url_centralized(url.as_str()).map_err(unavailable)?)
+                })
                 .collect::<Result<_, _>>()?
         };
         for client in &clients {

@@ -1,0 +1,129 @@
+//! Values that must not be shown as written: the JWT secret, and URLs that may carry a password.
+//!
+//! Redaction belongs to the type, not to the code that prints: `Debug` and `Serialize` (the
+//! `/admin/status` summary) of these types never write the credential, so neither a `{:?}` in a
+//! log line nor a new key in the summary can leak one. The value itself is read only through
+//! [`Secret::expose`] and [`RedactedUrl::as_str`], where it is handed to a library.
+
+use std::fmt;
+
+use serde::{Serialize, Serializer};
+
+/// "(set)" or "(empty)": all that may be shown of a secret.
+pub(crate) fn marker(secret: &str) -> &'static str {
+    if secret.is_empty() {
+        "(empty)"
+    } else {
+        "(set)"
+    }
+}
+
+/// A secret string (`auth.jwt_secret`): shown as "(set)" or "(empty)", never as its value.
+#[derive(Clone, Default, PartialEq, Eq)]
+pub struct Secret(String);
+
+impl Secret {
+    pub fn new(value: impl Into<String>) -> Self {
+        Self(value.into())
+    }
+
+    /// The value itself, for the one place that signs or verifies with it.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(marker(&self.0), f)
+    }
+}
+
+impl Serialize for Secret {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(marker(&self.0))
+    }
+}
+
+/// Replace the user-info part of a URL (`redis://user:pass@host`) with "(redacted)".
+pub(crate) fn redact_url(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_string();
+    };
+    let authority_end = rest.find('/').unwrap_or(rest.len());
+    let (authority, path) = rest.split_at(authority_end);
+    match authority.rfind('@') {
+        Some(at) => format!("{scheme}://(redacted)@{}{path}", &authority[at + 1..]),
+        None => url.to_string(),
+    }
+}
+
+/// A server URL as configured, which may carry a user and password: shown with the user-info
+/// replaced by "(redacted)".
+#[derive(Clone, PartialEq, Eq)]
+pub struct RedactedUrl(String);
+
+impl RedactedUrl {
+    pub fn new(url: impl Into<String>) -> Self {
+        Self(url.into())
+    }
+
+    /// The URL as written, credentials included, for the client library that connects with it.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+
+    /// The URL without its credentials, for messages and status output.
+    pub fn redacted(&self) -> String {
+        redact_url(&self.0)
+    }
+}
+
+impl fmt::Debug for RedactedUrl {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(&self.redacted(), f)
+    }
+}
+
+impl Serialize for RedactedUrl {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&self.redacted())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A secret shows only whether it is set, in `Debug` and in JSON.
+    #[test]
+    fn secret_shows_only_set_or_empty() {
+        let secret = Secret::new("hunter2");
+        assert_eq!(format!("{secret:?}"), "\"(set)\"");
+        assert_eq!(serde_json::to_value(&secret).expect("json"), "(set)");
+        assert_eq!(secret.expose(), "hunter2");
+        let empty = Secret::default();
+        assert_eq!(format!("{empty:?}"), "\"(empty)\"");
+        assert_eq!(serde_json::to_value(&empty).expect("json"), "(empty)");
+    }
+
+    /// User-info is redacted wherever a URL is shown; a URL without one is shown as is.
+    #[test]
+    fn url_credentials_are_redacted() {
+        let url = RedactedUrl::new("redis://user:p@ss@h:6379/0");
+        assert_eq!(url.redacted(), "redis://(redacted)@h:6379/0");
+        assert_eq!(format!("{url:?}"), "\"redis://(redacted)@h:6379/0\"");
+        assert_eq!(
+            serde_json::to_value(&url).expect("json"),
+            "redis://(redacted)@h:6379/0"
+        );
+        assert_eq!(url.as_str(), "redis://user:p@ss@h:6379/0");
+        // An '@' in the path is not user-info.
+        assert_eq!(redact_url("nats://h:4222/a@b"), "nats://h:4222/a@b");
+        assert_eq!(redact_url("not a url"), "not a url");
+    }
+}
