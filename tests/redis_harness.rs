@@ -1,6 +1,6 @@
 //! Self-tests of the Redis pieces of the harness (`support::redis`): real
 //! `redis-server` processes (standalone, AOF, cluster) driven through the
-//! in-test RESP client, without the hub.
+//! in-test RESP connection (redis-protocol's codec), without the hub.
 
 mod support;
 
@@ -11,38 +11,6 @@ use support::{RedisCluster, RedisServer, RespClient};
 
 fn bulk(s: &str) -> RespValue {
     RespValue::Bulk(Some(s.as_bytes().to_vec()))
-}
-
-/// The RESP decoder handles every RESP2 type, nulls, nesting, and replies
-/// split across reads (incomplete input is `None`, not an error).
-#[test]
-fn resp_decoder_parses_all_types_and_waits_for_complete_input() {
-    let wire = b"*6\r\n+OK\r\n-ERR boom\r\n:-42\r\n$5\r\nhe\r\no\r\n$-1\r\n*2\r\n*-1\r\n$0\r\n\r\n";
-    let (value, used) = redis::parse_reply(wire).unwrap().expect("complete");
-    assert_eq!(used, wire.len());
-    assert_eq!(
-        value,
-        RespValue::Array(Some(vec![
-            RespValue::Simple("OK".into()),
-            RespValue::Error("ERR boom".into()),
-            RespValue::Int(-42),
-            bulk("he\r\no"),
-            RespValue::Bulk(None),
-            RespValue::Array(Some(vec![RespValue::Array(None), bulk("")])),
-        ]))
-    );
-    for cut in 0..wire.len() {
-        assert_eq!(
-            redis::parse_reply(&wire[..cut]).unwrap(),
-            None,
-            "cut at {cut}"
-        );
-    }
-    assert!(redis::parse_reply(b"?x\r\n").is_err());
-    assert_eq!(
-        redis::encode_command(&["SET", "k", ""]),
-        b"*3\r\n$3\r\nSET\r\n$1\r\nk\r\n$0\r\n\r\n"
-    );
 }
 
 /// A standalone server starts on a free port, answers PING, and the client

@@ -3,9 +3,10 @@
 //! the same port (also from an older snapshot of its files, or without any,
 //! to simulate rollbacks and lost disks), a cluster formed with
 //! `redis-cli --cluster` (masters only, or with replicas that take over when
-//! a master is killed), and a tiny RESP2 client ([`RespClient`]) so tests can
-//! act as an external producer (XADD), inspect state (XLEN, XINFO) and
-//! reconfigure (CONFIG SET) without a Redis client crate.
+//! a master is killed), and a small RESP2 connection ([`RespClient`], on the
+//! redis-protocol crate's codec) so tests can act as an external producer
+//! (XADD), inspect state (XLEN, XINFO), reconfigure (CONFIG SET) and see error
+//! replies (MOVED, WRONGTYPE) as values, exactly as Redis sent them.
 //!
 //! Each server runs `redis-server` from a fresh temporary directory holding
 //! its `redis.conf`, its data files and `redis.log`; dropping it SIGKILLs and
@@ -22,6 +23,11 @@ use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::time::Instant;
+
+use redis_protocol::resp2::{
+    self,
+    types::{OwnedFrame, Resp2Frame},
+};
 
 use super::{free_port, IO_TIMEOUT};
 
@@ -110,81 +116,39 @@ impl RespValue {
     }
 }
 
-/// Encodes a command as a RESP array of bulk strings, the only form Redis
-/// accepts from clients besides inline commands.
-pub fn encode_command<A: AsRef<[u8]>>(args: &[A]) -> Vec<u8> {
-    let mut out = format!("*{}\r\n", args.len()).into_bytes();
-    for arg in args {
-        let arg = arg.as_ref();
-        out.extend_from_slice(format!("${}\r\n", arg.len()).as_bytes());
-        out.extend_from_slice(arg);
-        out.extend_from_slice(b"\r\n");
+impl From<OwnedFrame> for RespValue {
+    fn from(frame: OwnedFrame) -> Self {
+        match frame {
+            OwnedFrame::SimpleString(text) => {
+                RespValue::Simple(String::from_utf8_lossy(&text).into_owned())
+            }
+            OwnedFrame::Error(message) => RespValue::Error(message),
+            OwnedFrame::Integer(n) => RespValue::Int(n),
+            OwnedFrame::BulkString(bytes) => RespValue::Bulk(Some(bytes)),
+            OwnedFrame::Array(items) => {
+                RespValue::Array(Some(items.into_iter().map(RespValue::from).collect()))
+            }
+            // RESP2 has a null bulk string and a null array; the codec reads both as one null.
+            OwnedFrame::Null => RespValue::Bulk(None),
+        }
     }
+}
+
+/// Encodes a command as a RESP array of bulk strings, the only form Redis accepts from clients
+/// besides inline commands (redis-protocol's encoder, the codec fred is built on).
+fn encode_command<A: AsRef<[u8]>>(args: &[A]) -> Vec<u8> {
+    let frame = OwnedFrame::Array(
+        args.iter()
+            .map(|arg| OwnedFrame::BulkString(arg.as_ref().to_vec()))
+            .collect(),
+    );
+    let mut out = vec![0; frame.encode_len(false)];
+    resp2::encode::encode(&mut out, &frame, false).expect("the buffer has the frame's length");
     out
 }
 
-/// Parses one reply from the front of `buf`: `Ok(None)` if it is still
-/// incomplete, otherwise the value and how many bytes it used.
-pub fn parse_reply(buf: &[u8]) -> io::Result<Option<(RespValue, usize)>> {
-    let Some(line_end) = buf.windows(2).position(|w| w == b"\r\n") else {
-        return Ok(None);
-    };
-    let line = &buf[1..line_end];
-    let after = line_end + 2;
-    let text =
-        || String::from_utf8(line.to_vec()).map_err(|_| invalid("non-UTF-8 status line".into()));
-    let number = || -> io::Result<i64> {
-        text()?
-            .parse()
-            .map_err(|_| invalid(format!("bad number {:?}", String::from_utf8_lossy(line))))
-    };
-    let value = match buf[0] {
-        b'+' => (RespValue::Simple(text()?), after),
-        b'-' => (RespValue::Error(text()?), after),
-        b':' => (RespValue::Int(number()?), after),
-        b'$' => {
-            let Ok(len) = usize::try_from(number()?) else {
-                return Ok(Some((RespValue::Bulk(None), after)));
-            };
-            let end = after + len;
-            if buf.len() < end + 2 {
-                return Ok(None);
-            }
-            if &buf[end..end + 2] != b"\r\n" {
-                return Err(invalid("bulk string not terminated by CRLF".into()));
-            }
-            (RespValue::Bulk(Some(buf[after..end].to_vec())), end + 2)
-        }
-        b'*' => {
-            let Ok(count) = usize::try_from(number()?) else {
-                return Ok(Some((RespValue::Array(None), after)));
-            };
-            let mut items = Vec::with_capacity(count.min(1024));
-            let mut pos = after;
-            for _ in 0..count {
-                let Some((item, used)) = parse_reply(&buf[pos..])? else {
-                    return Ok(None);
-                };
-                items.push(item);
-                pos += used;
-            }
-            (RespValue::Array(Some(items)), pos)
-        }
-        other => {
-            return Err(invalid(format!(
-                "unexpected RESP type byte {:?}",
-                char::from(other)
-            )))
-        }
-    };
-    Ok(Some(value))
-}
-
-fn invalid(msg: String) -> io::Error {
-    io::Error::new(io::ErrorKind::InvalidData, msg)
-}
-
-/// A plain RESP2 connection: one command, one reply, in order.
+/// A plain RESP2 connection: one command, one reply, in order. The protocol (encoding and
+/// decoding) is the redis-protocol crate's; what is left here is a socket and a timeout.
 #[derive(Debug)]
 pub struct RespClient {
     stream: TcpStream,
@@ -262,9 +226,11 @@ impl RespClient {
 
     async fn read_reply(&mut self) -> io::Result<RespValue> {
         loop {
-            if let Some((value, used)) = parse_reply(&self.buf)? {
+            let decoded = resp2::decode::decode(&self.buf)
+                .map_err(|error| io::Error::new(io::ErrorKind::InvalidData, error.to_string()))?;
+            if let Some((frame, used)) = decoded {
                 self.buf.drain(..used);
-                return Ok(value);
+                return Ok(frame.into());
             }
             self.buf.reserve(16 * 1024);
             if self.stream.read_buf(&mut self.buf).await? == 0 {
