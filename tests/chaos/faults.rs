@@ -662,7 +662,7 @@ impl System {
                         "a node (no leader known)",
                     ),
                 };
-                let gentle = (fault.pick >> 8) % 4 == 0;
+                let gentle = (fault.pick >> 8).is_multiple_of(4);
                 let began = Instant::now();
                 if gentle {
                     cluster.stop(target).await;

@@ -165,7 +165,7 @@ pub async fn run(plan: &Plan) -> RunResult {
     let behaviours: Vec<Behaviour> = (0..n)
         .map(|i| {
             let coin = rng.random_bool(0.5);
-            match (i / faults::SHARDS as usize % 2 == 0, coin) {
+            match ((i / faults::SHARDS as usize).is_multiple_of(2), coin) {
                 (true, true) => Behaviour::Flappy,
                 (true, false) => Behaviour::Slow,
                 (false, true) => Behaviour::Steady,
