@@ -338,3 +338,511 @@ impl Handler<Snapshot> for Router {
         )
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::{
+        sync::Mutex,
+        task::{Context as TaskContext, Poll, Waker},
+    };
+
+    use prometheus::Registry;
+
+    use super::*;
+    use crate::{
+        model::Epoch,
+        stream::{
+            queue::{self, QueueReceiver},
+            AnnounceRetry,
+        },
+    };
+
+    /// Closes received by the peers, in order: (connection id, reason).
+    type CloseLog = Arc<Mutex<Vec<(u64, CloseReason)>>>;
+
+    /// Stands in for a Connection: logs the closes it is sent.
+    struct Peer {
+        connection_id: u64,
+        log: CloseLog,
+    }
+
+    impl Actor for Peer {
+        type Context = Context<Self>;
+    }
+
+    impl Handler<Close> for Peer {
+        type Result = ();
+
+        fn handle(&mut self, close: Close, _: &mut Context<Self>) {
+            self.log
+                .lock()
+                .unwrap()
+                .push((self.connection_id, close.reason));
+        }
+    }
+
+    impl Handler<AnnounceRetry> for Peer {
+        type Result = ();
+
+        fn handle(&mut self, _: AnnounceRetry, _: &mut Context<Self>) {}
+    }
+
+    /// Answered after everything sent to the peer before it.
+    #[derive(Message)]
+    #[rtype(result = "()")]
+    struct Flush;
+
+    impl Handler<Flush> for Peer {
+        type Result = ();
+
+        fn handle(&mut self, _: Flush, _: &mut Context<Self>) {}
+    }
+
+    /// A connection as the Router sees it, from the body's side.
+    struct Conn {
+        id: u64,
+        device: DeviceId,
+        shard: u32,
+        queue: QueueReceiver,
+    }
+
+    impl Conn {
+        /// What is queued, described.
+        fn take(&mut self) -> Vec<String> {
+            let mut context = TaskContext::from_waker(Waker::noop());
+            let mut items = Vec::new();
+            while let Poll::Ready(Some(item)) = self.queue.poll_recv(&mut context) {
+                items.push(match item {
+                    QueueItem::Event { position, .. } => format!("event {}", position.seq),
+                    QueueItem::Resync { reason, .. } => format!("resync {}", reason.label()),
+                    QueueItem::Ping => "ping".into(),
+                    other => format!("{other:?}"),
+                });
+            }
+            items
+        }
+    }
+
+    /// A Router driven by direct calls of its handlers (no timer runs), with peers for its
+    /// connections.
+    struct Fixture {
+        router: Router,
+        /// Never run: the handlers under test do not use it.
+        context: Context<Router>,
+        metrics: Arc<Metrics>,
+        peers: Vec<Addr<Peer>>,
+        closes: CloseLog,
+        next_id: u64,
+    }
+
+    impl Fixture {
+        fn new(shards: u32) -> Self {
+            Self::with(shards, Duration::from_secs(20), Duration::ZERO)
+        }
+
+        fn with(shards: u32, heartbeat: Duration, stall_timeout: Duration) -> Self {
+            let metrics = Arc::new(Metrics::new(Registry::new(), "memory"));
+            Self {
+                router: Router::new(shards, heartbeat, stall_timeout, metrics.clone()),
+                context: Context::new(),
+                metrics,
+                peers: Vec::new(),
+                closes: CloseLog::default(),
+                next_id: 0,
+            }
+        }
+
+        /// A new connection of `device` (its register, not yet sent) with a queue of `limit`.
+        fn connection(&mut self, device: &str, shard: u32, limit: usize) -> (Register, Conn) {
+            let id = self.next_id;
+            self.next_id += 1;
+            let peer = Peer {
+                connection_id: id,
+                log: self.closes.clone(),
+            }
+            .start();
+            self.peers.push(peer.clone());
+            let (sender, receiver) = queue::channel(limit);
+            let device = DeviceId::parse(device).unwrap();
+            let register = Register {
+                device: device.clone(),
+                shard,
+                route: Route {
+                    connection_id: id,
+                    queue: sender,
+                    control: DrainTarget {
+                        announce: peer.clone().recipient(),
+                        close: peer.recipient(),
+                    },
+                },
+            };
+            let conn = Conn {
+                id,
+                device,
+                shard,
+                queue: receiver,
+            };
+            (register, conn)
+        }
+
+        fn membership(&mut self, changes: Vec<Change>) {
+            Handler::<Membership>::handle(&mut self.router, Membership(changes), &mut self.context);
+        }
+
+        fn connect(&mut self, device: &str, shard: u32, limit: usize) -> Conn {
+            let (register, conn) = self.connection(device, shard, limit);
+            self.membership(vec![Change::Join(register)]);
+            conn
+        }
+
+        fn leave(&mut self, conn: &Conn) {
+            self.membership(vec![Change::Leave(unregister(conn))]);
+        }
+
+        fn route(&mut self, events: Vec<RoutedEvent>, resyncs: Vec<RoutedResync>) {
+            Handler::<RouteBatch>::handle(
+                &mut self.router,
+                RouteBatch { events, resyncs },
+                &mut self.context,
+            );
+        }
+
+        fn unicast(&mut self, conn: &Conn, seq: u64) {
+            let event = unicast(conn.shard, conn.device.as_str(), seq);
+            self.route(vec![event], Vec::new());
+        }
+
+        fn snapshot(&mut self) -> Vec<DrainTarget> {
+            Handler::<Snapshot>::handle(&mut self.router, Snapshot, &mut self.context).0
+        }
+
+        /// The closes the peers received so far.
+        async fn closes(&self) -> Vec<(u64, CloseReason)> {
+            for peer in &self.peers {
+                peer.send(Flush).await.unwrap();
+            }
+            self.closes.lock().unwrap().clone()
+        }
+
+        /// `router_events_total{result}`.
+        fn routed(&self, result: RouteResult) -> u64 {
+            let series = format!("router_events_total{{result=\"{}\"}} ", result.label());
+            self.metrics
+                .render()
+                .lines()
+                .find_map(|line| line.strip_prefix(&series))
+                .map_or(0, |value| value.parse().unwrap())
+        }
+    }
+
+    fn unregister(conn: &Conn) -> Unregister {
+        Unregister {
+            device: conn.device.clone(),
+            shard: conn.shard,
+            connection_id: conn.id,
+        }
+    }
+
+    fn alpha() -> EpochId {
+        Epoch::new("alpha").unwrap().id()
+    }
+
+    fn unicast(shard: u32, device: &str, seq: u64) -> RoutedEvent {
+        RoutedEvent {
+            shard,
+            target: Target::Device(DeviceId::parse(device).unwrap()),
+            epoch: alpha(),
+            position: Position::new(1, seq),
+            frame: Bytes::from(format!("unicast {seq}")),
+        }
+    }
+
+    fn broadcast(shard: u32, seq: u64, frame: &Bytes) -> RoutedEvent {
+        RoutedEvent {
+            shard,
+            target: Target::Broadcast,
+            epoch: alpha(),
+            position: Position::new(1, seq),
+            frame: frame.clone(),
+        }
+    }
+
+    fn resync(shard: u32, reason: ResyncReason) -> RoutedResync {
+        RoutedResync {
+            shard,
+            epoch: alpha(),
+            position: Position::new(1, 0),
+            reason,
+            frame: Bytes::from_static(b"resync"),
+        }
+    }
+
+    #[actix_rt::test]
+    async fn a_joined_connection_is_routed_until_it_leaves() {
+        let mut fixture = Fixture::new(2);
+        let mut conn = fixture.connect("pos-1", 1, 8);
+        fixture.unicast(&conn, 1);
+        assert_eq!(conn.take(), ["event 1"]);
+        fixture.leave(&conn);
+        fixture.unicast(&conn, 2);
+        assert!(conn.take().is_empty());
+        assert_eq!(fixture.routed(RouteResult::Delivered), 1);
+        assert_eq!(fixture.routed(RouteResult::NotConnected), 1);
+        assert!(fixture.snapshot().is_empty());
+        assert!(fixture.closes().await.is_empty(), "a leave closes nothing");
+    }
+
+    #[actix_rt::test]
+    async fn a_unicast_reaches_its_device_only() {
+        let mut fixture = Fixture::new(2);
+        let mut first = fixture.connect("pos-1", 0, 8);
+        let mut second = fixture.connect("pos-2", 0, 8);
+        let mut other_shard = fixture.connect("pos-3", 1, 8);
+        fixture.unicast(&second, 7);
+        assert!(first.take().is_empty());
+        assert_eq!(second.take(), ["event 7"]);
+        assert!(other_shard.take().is_empty());
+        // A device with no connection on this pod.
+        fixture.route(vec![unicast(0, "pos-9", 8)], Vec::new());
+        assert_eq!(fixture.routed(RouteResult::NotConnected), 1);
+        assert_eq!(fixture.routed(RouteResult::Delivered), 1);
+    }
+
+    /// A broadcast copy goes to every connection of its shard, as the same shared bytes.
+    #[actix_rt::test]
+    async fn a_broadcast_reaches_every_connection_of_its_shard_only() {
+        let mut fixture = Fixture::new(2);
+        let mut conns: Vec<Conn> = ["pos-1", "pos-2", "pos-3"]
+            .into_iter()
+            .map(|device| fixture.connect(device, 0, 8))
+            .collect();
+        let mut other_shard = fixture.connect("pos-4", 1, 8);
+        let frame = Bytes::from_static(b"framed once");
+        fixture.route(vec![broadcast(0, 3, &frame)], Vec::new());
+        let mut context = TaskContext::from_waker(Waker::noop());
+        for conn in &mut conns {
+            match conn.queue.poll_recv(&mut context) {
+                Poll::Ready(Some(QueueItem::Event {
+                    frame: queued,
+                    position,
+                    ..
+                })) => {
+                    assert_eq!(position.seq, 3);
+                    assert_eq!(queued.as_ptr(), frame.as_ptr(), "not a copy");
+                }
+                other => panic!("expected the broadcast, got {other:?}"),
+            }
+        }
+        assert!(other_shard.take().is_empty());
+        assert_eq!(fixture.routed(RouteResult::Delivered), 3);
+    }
+
+    /// A full queue is a slow client: its route goes at once, and its Connection is closed.
+    #[actix_rt::test]
+    async fn a_full_queue_evicts_the_connection() {
+        let mut fixture = Fixture::new(2);
+        let mut slow = fixture.connect("pos-1", 0, 1);
+        let mut fast = fixture.connect("pos-2", 0, 8);
+        fixture.unicast(&slow, 1);
+        fixture.unicast(&slow, 2);
+        assert_eq!(
+            fixture.closes().await,
+            [(slow.id, CloseReason::SlowConsumer)]
+        );
+        fixture.unicast(&slow, 3);
+        assert_eq!(slow.take(), ["event 1"], "nothing after the overflow");
+        assert_eq!(fixture.routed(RouteResult::QueueFull), 1);
+        assert_eq!(fixture.routed(RouteResult::NotConnected), 1);
+
+        // The same for a broadcast copy; the others still get theirs.
+        let mut slow = fixture.connect("pos-3", 1, 1);
+        let mut fast_too = fixture.connect("pos-4", 1, 8);
+        fixture.unicast(&slow, 4);
+        let frame = Bytes::from_static(b"b");
+        fixture.route(vec![broadcast(1, 5, &frame)], Vec::new());
+        assert_eq!(fast_too.take(), ["event 5"]);
+        assert_eq!(slow.take(), ["event 4"]);
+        assert_eq!(
+            fixture.closes().await.last(),
+            Some(&(slow.id, CloseReason::SlowConsumer))
+        );
+        fixture.route(vec![broadcast(1, 6, &frame)], Vec::new());
+        assert!(slow.take().is_empty(), "evicted from the shard");
+        assert_eq!(fast_too.take(), ["event 6"]);
+        assert!(fast.take().is_empty());
+        assert_eq!(fixture.routed(RouteResult::QueueFull), 2);
+        assert_eq!(fixture.snapshot().len(), 2);
+    }
+
+    /// A connection whose body is gone is removed, without a close (it is closing already).
+    #[actix_rt::test]
+    async fn a_closed_queue_removes_the_route_without_a_close() {
+        let mut fixture = Fixture::new(1);
+        let gone = fixture.connect("pos-1", 0, 8);
+        drop(gone.queue);
+        fixture.route(vec![unicast(0, "pos-1", 1)], Vec::new());
+        assert_eq!(fixture.routed(RouteResult::Closed), 1);
+        fixture.route(vec![unicast(0, "pos-1", 2)], Vec::new());
+        assert_eq!(fixture.routed(RouteResult::NotConnected), 1);
+        assert!(fixture.closes().await.is_empty());
+        assert!(fixture.snapshot().is_empty());
+    }
+
+    /// A second stream of the same device takes over: the first is closed, and its late leave
+    /// does not remove the second.
+    #[actix_rt::test]
+    async fn a_takeover_closes_the_first_and_keeps_the_second() {
+        let mut fixture = Fixture::new(1);
+        let (first_register, mut first) = fixture.connection("pos-1", 0, 8);
+        let (second_register, mut second) = fixture.connection("pos-1", 0, 8);
+        fixture.membership(vec![
+            Change::Join(first_register),
+            Change::Join(second_register),
+        ]);
+        assert_eq!(fixture.closes().await, [(first.id, CloseReason::Takeover)]);
+        fixture.leave(&first);
+        fixture.unicast(&second, 1);
+        assert!(first.take().is_empty());
+        assert_eq!(second.take(), ["event 1"]);
+        assert_eq!(fixture.snapshot().len(), 1);
+        fixture.leave(&second);
+        fixture.unicast(&second, 2);
+        assert_eq!(fixture.routed(RouteResult::NotConnected), 1);
+        assert_eq!(fixture.closes().await.len(), 1, "a leave closes nothing");
+    }
+
+    /// A tail reports a gap before anything after it: the batch's resyncs are queued first.
+    #[actix_rt::test]
+    async fn resyncs_are_queued_before_the_events_of_their_batch() {
+        let mut fixture = Fixture::new(2);
+        let mut conn = fixture.connect("pos-1", 0, 8);
+        let mut other_shard = fixture.connect("pos-2", 1, 8);
+        let frame = Bytes::from_static(b"b");
+        fixture.route(
+            vec![unicast(0, "pos-1", 5), broadcast(0, 6, &frame)],
+            vec![
+                resync(0, ResyncReason::Expired),
+                resync(1, ResyncReason::DataLost),
+            ],
+        );
+        assert_eq!(conn.take(), ["resync expired", "event 5", "event 6"]);
+        assert_eq!(other_shard.take(), ["resync data_lost"]);
+    }
+
+    /// Shutdown closes connections in the order they registered (oldest first).
+    #[actix_rt::test]
+    async fn a_snapshot_lists_the_connections_in_registration_order() {
+        let mut fixture = Fixture::new(3);
+        let conns: Vec<Conn> = (0..20)
+            .map(|n| fixture.connect(&format!("pos-{n}"), n % 3, 8))
+            .collect();
+        fixture.leave(&conns[3]);
+        // A takeover: the newest connection of pos-5 comes last.
+        let newest = fixture.connect("pos-5", 5 % 3, 8);
+        let targets = fixture.snapshot();
+        for target in &targets {
+            target
+                .close
+                .send(Close::now(CloseReason::Drain))
+                .await
+                .unwrap();
+        }
+        let order: Vec<u64> = fixture
+            .closes()
+            .await
+            .into_iter()
+            .filter(|(_, reason)| *reason == CloseReason::Drain)
+            .map(|(id, _)| id)
+            .collect();
+        let mut expected: Vec<u64> = (0..20).filter(|id| ![3, 5].contains(id)).collect();
+        expected.push(newest.id);
+        assert_eq!(order, expected);
+    }
+
+    /// The stall check evicts a queue whose oldest item waited `stall_timeout` without progress;
+    /// not an empty one, and not one whose body replays (those items wait on purpose).
+    #[actix_rt::test]
+    async fn the_stall_sweep_evicts_a_queue_that_made_no_progress() {
+        let stall = Duration::from_secs(10);
+        let mut fixture = Fixture::with(1, Duration::from_secs(20), stall);
+        let mut stalled = fixture.connect("pos-1", 0, 8);
+        let mut idle = fixture.connect("pos-2", 0, 8);
+        let mut replaying = fixture.connect("pos-3", 0, 8);
+        replaying.queue.set_replaying(true);
+        fixture.unicast(&stalled, 1);
+        fixture.unicast(&replaying, 2);
+        let sweep = |fixture: &mut Fixture, now: Instant| {
+            for index in 0..fixture.router.rotation.slices() {
+                fixture.router.evict_stalled(index, now);
+            }
+        };
+        sweep(&mut fixture, Instant::now() + stall / 2);
+        assert!(fixture.closes().await.is_empty(), "not yet");
+        sweep(&mut fixture, Instant::now() + stall);
+        assert_eq!(
+            fixture.closes().await,
+            [(stalled.id, CloseReason::SlowConsumer)]
+        );
+        fixture.unicast(&stalled, 3);
+        fixture.unicast(&idle, 4);
+        fixture.unicast(&replaying, 5);
+        assert_eq!(stalled.take(), ["event 1"]);
+        assert_eq!(idle.take(), ["event 4"]);
+        assert_eq!(replaying.take(), ["event 2", "event 5"]);
+    }
+
+    /// The same, driven by the Router's own timer: a short heartbeat and stall timeout.
+    #[actix_rt::test]
+    async fn the_running_router_evicts_a_stalled_client_within_its_timeout() {
+        let mut fixture = Fixture::new(1);
+        let (register, mut conn) = fixture.connection("pos-1", 0, 64);
+        let metrics = fixture.metrics.clone();
+        // 4 slices of 25 ms: every connection is checked for stalls on every tick.
+        let router = Router::new(
+            1,
+            Duration::from_millis(100),
+            Duration::from_millis(40),
+            metrics,
+        )
+        .start();
+        router.do_send(Membership(vec![Change::Join(register)]));
+        let started = Instant::now();
+        router
+            .send(RouteBatch {
+                events: vec![unicast(0, "pos-1", 1)],
+                resyncs: Vec::new(),
+            })
+            .await
+            .unwrap();
+        while fixture.closes().await.is_empty() {
+            assert!(started.elapsed() < Duration::from_secs(1), "not evicted");
+            actix_rt::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert!(started.elapsed() >= Duration::from_millis(40));
+        assert_eq!(
+            fixture.closes().await,
+            [(conn.id, CloseReason::SlowConsumer)]
+        );
+        assert_eq!(conn.take().first().map(String::as_str), Some("event 1"));
+        assert!(router.send(Snapshot).await.unwrap().is_empty());
+    }
+
+    /// Heartbeats go through the queue: a full queue on a ping evicts, a gone body is removed.
+    #[actix_rt::test]
+    async fn a_tick_pings_through_the_queue() {
+        // One slice: a tick pings every connection.
+        let mut fixture = Fixture::with(1, Duration::from_millis(25), Duration::ZERO);
+        let mut reading = fixture.connect("pos-1", 0, 8);
+        let full = fixture.connect("pos-2", 0, 1);
+        let gone = fixture.connect("pos-3", 0, 8);
+        fixture.unicast(&full, 1);
+        drop(gone.queue);
+        fixture.router.tick();
+        assert_eq!(reading.take(), ["ping"]);
+        assert_eq!(
+            fixture.closes().await,
+            [(full.id, CloseReason::SlowConsumer)]
+        );
+        assert_eq!(fixture.snapshot().len(), 1);
+    }
+}

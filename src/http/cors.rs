@@ -105,3 +105,180 @@ where
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use actix_web::{
+        http::StatusCode,
+        test::{self, TestRequest},
+        App,
+    };
+
+    use super::*;
+
+    fn cors(origins: &[&str]) -> Cors {
+        Cors::new(&origins.iter().map(ToString::to_string).collect::<Vec<_>>())
+    }
+
+    fn origin(text: &'static str) -> HeaderValue {
+        HeaderValue::from_static(text)
+    }
+
+    #[test]
+    fn a_listed_origin_is_echoed() {
+        let cors = cors(&["https://pos.example", "https://admin.example"]);
+        assert_eq!(
+            cors.allow(Some(&origin("https://admin.example"))),
+            Some(origin("https://admin.example"))
+        );
+        assert_eq!(cors.allow(Some(&origin("https://evil.example"))), None);
+        // Exact match only: no prefix, no other scheme or port.
+        assert_eq!(cors.allow(Some(&origin("https://pos.example.evil"))), None);
+        assert_eq!(cors.allow(Some(&origin("http://pos.example"))), None);
+        assert_eq!(cors.allow(Some(&origin("https://pos.example:8443"))), None);
+        assert_eq!(cors.allow(None), None, "no Origin, no CORS");
+    }
+
+    #[test]
+    fn a_star_allows_every_origin_as_star() {
+        let cors = cors(&["*"]);
+        assert_eq!(
+            cors.allow(Some(&origin("https://anything.example"))),
+            Some(origin("*"))
+        );
+        assert_eq!(cors.allow(None), None);
+    }
+
+    #[test]
+    fn an_empty_list_allows_nothing() {
+        let cors = cors(&[]);
+        assert_eq!(cors.allow(Some(&origin("https://pos.example"))), None);
+        assert_eq!(cors.allow(Some(&origin("*"))), None);
+    }
+
+    async fn preflight_for(cors: Cors, from: Option<&'static str>) -> HttpResponse {
+        let mut request = TestRequest::default().method(actix_web::http::Method::OPTIONS);
+        if let Some(from) = from {
+            request = request.insert_header((header::ORIGIN, from));
+        }
+        preflight(request.to_http_request(), web::Data::new(cors)).await
+    }
+
+    #[actix_rt::test]
+    async fn a_preflight_from_an_allowed_origin_is_granted() {
+        let response =
+            preflight_for(cors(&["https://pos.example"]), Some("https://pos.example")).await;
+        assert_eq!(response.status(), StatusCode::NO_CONTENT);
+        let headers = response.headers();
+        assert_eq!(
+            headers.get(header::ACCESS_CONTROL_ALLOW_METHODS).unwrap(),
+            "GET, POST, OPTIONS"
+        );
+        assert_eq!(
+            headers.get(header::ACCESS_CONTROL_ALLOW_HEADERS).unwrap(),
+            "authorization, content-type, last-event-id"
+        );
+        assert_eq!(headers.get(header::ACCESS_CONTROL_MAX_AGE).unwrap(), "600");
+    }
+
+    #[actix_rt::test]
+    async fn a_preflight_from_elsewhere_gets_no_grant() {
+        for (cors, from) in [
+            (cors(&["https://pos.example"]), Some("https://evil.example")),
+            (cors(&["https://pos.example"]), None),
+            (cors(&[]), Some("https://pos.example")),
+        ] {
+            let response = preflight_for(cors, from).await;
+            assert_eq!(response.status(), StatusCode::NO_CONTENT);
+            let headers = response.headers();
+            assert!(
+                !headers.contains_key(header::ACCESS_CONTROL_ALLOW_METHODS)
+                    && !headers.contains_key(header::ACCESS_CONTROL_ALLOW_HEADERS)
+                    && !headers.contains_key(header::ACCESS_CONTROL_MAX_AGE)
+                    && !headers.contains_key(header::ACCESS_CONTROL_ALLOW_ORIGIN),
+                "{from:?}: {headers:?}"
+            );
+        }
+    }
+
+    /// The middleware adds the grant (and `Vary: Origin`) to every response for an allowed
+    /// origin, and nothing otherwise.
+    #[actix_rt::test]
+    async fn the_middleware_grants_allowed_origins_only() {
+        for (origins, from, grant) in [
+            (
+                &["https://pos.example"][..],
+                Some("https://pos.example"),
+                Some("https://pos.example"),
+            ),
+            (&["*"][..], Some("https://pos.example"), Some("*")),
+            (
+                &["https://pos.example"][..],
+                Some("https://evil.example"),
+                None,
+            ),
+            (&["https://pos.example"][..], None, None),
+            (&[][..], Some("https://pos.example"), None),
+        ] {
+            let app = test::init_service(
+                App::new()
+                    .app_data(web::Data::new(cors(origins)))
+                    .wrap(CorsHeaders)
+                    .route("/", web::get().to(|| async { HttpResponse::Ok().finish() })),
+            )
+            .await;
+            let mut request = TestRequest::get().uri("/");
+            if let Some(from) = from {
+                request = request.insert_header((header::ORIGIN, from));
+            }
+            let response = test::call_service(&app, request.to_request()).await;
+            assert_eq!(response.status(), StatusCode::OK);
+            let headers = response.headers();
+            assert_eq!(
+                headers
+                    .get(header::ACCESS_CONTROL_ALLOW_ORIGIN)
+                    .map(|value| value.to_str().unwrap()),
+                grant,
+                "{origins:?} {from:?}"
+            );
+            assert_eq!(
+                headers
+                    .get(header::VARY)
+                    .map(|value| value.to_str().unwrap()),
+                grant.map(|_| "Origin"),
+                "{origins:?} {from:?}"
+            );
+        }
+    }
+
+    /// Errors pass through the middleware with the grant too (a browser must be able to read a
+    /// 401 or 503).
+    #[actix_rt::test]
+    async fn the_middleware_grants_error_responses_too() {
+        let app = test::init_service(
+            App::new()
+                .app_data(web::Data::new(cors(&["https://pos.example"])))
+                .wrap(CorsHeaders)
+                .route(
+                    "/",
+                    web::get().to(|| async {
+                        Err::<HttpResponse, _>(crate::http::error::ApiError::Draining)
+                    }),
+                ),
+        )
+        .await;
+        let request = TestRequest::get()
+            .uri("/")
+            .insert_header((header::ORIGIN, "https://pos.example"))
+            .to_request();
+        let response = test::call_service(&app, request).await;
+        assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(
+            response
+                .headers()
+                .get(header::ACCESS_CONTROL_ALLOW_ORIGIN)
+                .unwrap(),
+            "https://pos.example"
+        );
+    }
+}

@@ -357,3 +357,238 @@ impl Handler<BodyDropped> for Connection {
         ctx.stop();
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use bytes::Bytes;
+
+    use super::*;
+    use crate::{
+        model::{shard_of, Position},
+        stream::tests::{read, until, Ending, Harness, PRELUDE, SHARDS},
+    };
+
+    fn event(seq: u64, text: &str) -> QueueItem {
+        QueueItem::Event {
+            epoch: crate::model::Epoch::new("alpha").unwrap().id(),
+            position: Position::new(1, seq),
+            frame: Bytes::from(format!("E {text}\n")),
+        }
+    }
+
+    /// The Router gets the stream's route, whose queue (bounded by `queue_limit`) feeds the body.
+    #[actix_rt::test]
+    async fn open_registers_the_route_with_the_router() {
+        let harness = Harness::new();
+        let (mut body, _close) = harness.open("pos-1", None, Duration::ZERO).await.unwrap();
+        // `open` returned once the join was in the Router's mailbox: it is handled before this.
+        assert_eq!(
+            harness.changes().await,
+            vec![(true, "pos-1".into(), shard_of("pos-1", SHARDS), 0)]
+        );
+        assert_eq!(harness.metrics.sse_connections.get(), 1);
+        assert_eq!(harness.metrics.sse_connections_opened.get(), 1);
+        assert_eq!(harness.pod.open_streams(), 1);
+
+        let (queue, _) = harness.route(0).await;
+        queue.try_send(event(1, "routed")).unwrap();
+        assert_eq!(
+            read(&mut body),
+            (format!("{PRELUDE}E routed\n"), Ending::Pending)
+        );
+        for seq in 2..=5 {
+            queue.try_send(event(seq, "more")).unwrap();
+        }
+        assert_eq!(
+            queue.try_send(event(6, "one too many")),
+            Err(queue::TrySendError::Full),
+            "the queue holds queue_limit items"
+        );
+
+        // A second stream has its own id.
+        let _second = harness.open("pos-2", None, Duration::ZERO).await.unwrap();
+        assert_eq!(harness.changes().await.last().unwrap().3, 1);
+    }
+
+    /// `Close` from the Router (slow consumer, takeover): the stream is cut at once (nothing
+    /// queued is written), the actor stops, leaves the Router and records the reason.
+    #[actix_rt::test]
+    async fn an_eviction_aborts_and_the_actor_stops_with_its_reason() {
+        for reason in [CloseReason::SlowConsumer, CloseReason::Takeover] {
+            let harness = Harness::new();
+            let (mut body, _close) = harness.open("pos-1", None, Duration::ZERO).await.unwrap();
+            let (queue, target) = harness.route(0).await;
+            assert_eq!(read(&mut body), (PRELUDE.into(), Ending::Pending));
+            queue.try_send(event(1, "discarded")).unwrap();
+            target.close.send(Close::now(reason)).await.unwrap();
+            assert_eq!(
+                read(&mut body),
+                (String::new(), Ending::Evicted),
+                "{reason}"
+            );
+            harness.stopped(0).await;
+            assert_eq!(harness.closed(reason), 1, "{reason}");
+            assert_eq!(harness.closed(CloseReason::Client), 0, "{reason}");
+            assert_eq!(
+                harness.metrics.sse_slow_consumer_disconnects.get(),
+                u64::from(reason == CloseReason::SlowConsumer)
+            );
+            assert_eq!(harness.pod.connections(), 0, "the slot is given back");
+            drop(body);
+            assert_eq!(harness.pod.open_streams(), 0);
+        }
+    }
+
+    #[actix_rt::test]
+    async fn the_first_close_reason_wins() {
+        let harness = Harness::new();
+        let (_body, _close) = harness.open("pos-1", None, Duration::ZERO).await.unwrap();
+        let (_, target) = harness.route(0).await;
+        target.close.do_send(Close::now(CloseReason::Takeover));
+        target.close.do_send(Close::now(CloseReason::SlowConsumer));
+        target.close.do_send(Close::drain(Duration::from_secs(5)));
+        harness.stopped(0).await;
+        assert_eq!(harness.closed(CloseReason::Takeover), 1);
+        assert_eq!(harness.closed(CloseReason::SlowConsumer), 0);
+        assert_eq!(harness.closed(CloseReason::Drain), 0);
+    }
+
+    /// The client went away: actix drops the body, and the stream closes as `client`.
+    #[actix_rt::test]
+    async fn a_dropped_body_closes_the_stream_as_client() {
+        let harness = Harness::new();
+        let (body, _close) = harness.open("pos-1", None, Duration::ZERO).await.unwrap();
+        drop(body);
+        harness.stopped(0).await;
+        assert_eq!(harness.closed(CloseReason::Client), 1);
+        assert_eq!(harness.pod.connections(), 0);
+        assert_eq!(harness.pod.open_streams(), 0);
+    }
+
+    /// `AnnounceRetry` queues `retry:` at once and keeps it; the drain's close leaves the Router,
+    /// and the body writes what is queued, the `retry:` again, and ends. The actor stays until
+    /// its body is gone.
+    #[actix_rt::test]
+    async fn a_drain_writes_what_is_queued_then_the_retry_and_ends() {
+        let harness = Harness::new();
+        let (mut body, _close) = harness.open("pos-1", None, Duration::ZERO).await.unwrap();
+        let (queue, target) = harness.route(0).await;
+        target.announce.send(AnnounceRetry(4321)).await.unwrap();
+        assert_eq!(
+            read(&mut body),
+            (format!("{PRELUDE}retry: 4321\n\n"), Ending::Pending)
+        );
+        queue.try_send(event(1, "queued")).unwrap();
+        drop(queue);
+        target
+            .close
+            .send(Close::drain(Duration::from_secs(10)))
+            .await
+            .unwrap();
+        assert!(
+            harness.changes().await.contains(&(
+                false,
+                "pos-1".into(),
+                shard_of("pos-1", SHARDS),
+                0
+            )),
+            "the drain left the Router at once"
+        );
+        assert_eq!(
+            read(&mut body),
+            ("E queued\nretry: 4321\n\n".into(), Ending::Ended)
+        );
+        assert_eq!(
+            harness.metrics.sse_connections.get(),
+            1,
+            "the actor waits for its body"
+        );
+        drop(body);
+        harness.stopped(0).await;
+        assert_eq!(harness.closed(CloseReason::Drain), 1);
+        assert_eq!(harness.closed(CloseReason::Client), 0);
+    }
+
+    /// A client that takes nothing of what is left is cut off (at the first check, 250 ms after
+    /// the close) instead of holding the drain; the reason stays `drain`.
+    #[actix_rt::test]
+    async fn a_drain_cuts_off_a_client_that_does_not_read() {
+        let harness = Harness::new();
+        let (mut body, _close) = harness
+            .open("pos-1", None, Duration::from_millis(20))
+            .await
+            .unwrap();
+        let (queue, target) = harness.route(0).await;
+        for seq in 1..=4 {
+            queue.try_send(event(seq, "unread")).unwrap();
+        }
+        drop(queue);
+        let closed_at = Instant::now();
+        target
+            .close
+            .send(Close::drain(Duration::from_secs(10)))
+            .await
+            .unwrap();
+        assert_eq!(harness.metrics.sse_connections.get(), 1, "not at once");
+        harness.stopped(0).await;
+        assert!(closed_at.elapsed() < Duration::from_secs(1));
+        assert_eq!(read(&mut body), (String::new(), Ending::Evicted));
+        assert_eq!(harness.closed(CloseReason::Drain), 1);
+        assert_eq!(harness.metrics.sse_slow_consumer_disconnects.get(), 0);
+    }
+
+    /// A drain that reaches a stream mid-replay: the replay stops, and the body ends after what
+    /// was replayed, with no live event (the client's last id must not jump past events it was
+    /// not sent).
+    #[actix_rt::test]
+    async fn a_drain_mid_replay_ends_after_what_was_replayed() {
+        let harness = Harness::new();
+        let payloads: Vec<String> = (0..=200).map(|n| format!("replayed {n}")).collect();
+        let cursors = harness.append("pos-1", &payloads).await;
+        let (mut body, _close) = harness
+            .open("pos-1", Some(cursors[0].to_string()), Duration::ZERO)
+            .await
+            .unwrap();
+        // The client reads nothing yet: the replay fills its channel (the floor and 63 events)
+        // and waits.
+        until(|| async { harness.metrics.sse_replayed_events.get() == 63 }).await;
+        // Meanwhile the Router routes a newer event live.
+        let (queue, target) = harness.route(0).await;
+        let newest = cursors.last().unwrap();
+        queue
+            .try_send(QueueItem::Event {
+                epoch: newest.epoch.id(),
+                position: Position::new(newest.position.ms + 1, 0),
+                frame: Bytes::from_static(b"E live\n"),
+            })
+            .unwrap();
+        target.announce.send(AnnounceRetry(900)).await.unwrap();
+        target
+            .close
+            .send(Close::drain(Duration::from_secs(10)))
+            .await
+            .unwrap();
+
+        let (text, ending) = read(&mut body);
+        assert_eq!(ending, Ending::Ended);
+        let ids: Vec<&str> = text
+            .lines()
+            .filter_map(|line| line.strip_prefix("id: "))
+            .collect();
+        let expected: Vec<String> = cursors[1..=63].iter().map(ToString::to_string).collect();
+        assert_eq!(
+            ids, expected,
+            "the replay's events, in order, and nothing else"
+        );
+        assert!(!text.contains("live"), "no live event after a cut replay");
+        assert!(text.starts_with(PRELUDE));
+        assert!(
+            text.ends_with("data: replayed 63\n\nretry: 900\n\n"),
+            "then the closing retry"
+        );
+        assert_eq!(harness.metrics.sse_replayed_events.get(), 63);
+        drop(body);
+        harness.stopped(0).await;
+        assert_eq!(harness.closed(CloseReason::Drain), 1);
+    }
+}

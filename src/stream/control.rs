@@ -100,3 +100,87 @@ impl StreamControl {
             .unwrap_or_else(|poisoned| poisoned.into_inner()) = None;
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::{
+        io::{ErrorKind, Read, Write},
+        net::{TcpListener, TcpStream},
+        os::fd::AsRawFd,
+    };
+
+    use super::*;
+
+    /// A connected pair of TCP sockets on loopback: (client, server side).
+    fn tcp_pair() -> (TcpStream, TcpStream) {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let client = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (server, _) = listener.accept().unwrap();
+        client
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .unwrap();
+        (client, server)
+    }
+
+    #[test]
+    fn the_closing_retry_is_taken_once_and_zero_means_none() {
+        let control = StreamControl::new(None);
+        assert_eq!(control.take_closing_retry(), None);
+        control.set_closing_retry(2500);
+        assert_eq!(control.take_closing_retry(), Some(2500));
+        assert_eq!(control.take_closing_retry(), None, "only once");
+        control.set_closing_retry(0);
+        assert_eq!(control.take_closing_retry(), None);
+    }
+
+    #[test]
+    fn abort_without_a_socket_only_marks_the_stream() {
+        let control = StreamControl::new(None);
+        assert!(!control.is_aborted());
+        control.abort();
+        assert!(control.is_aborted());
+        control.abort();
+        assert!(control.is_aborted(), "a second abort is harmless");
+    }
+
+    /// The eviction acts on the socket: the peer sees the connection end (reset, since the
+    /// unsent bytes are discarded) although nobody closed the descriptor.
+    #[test]
+    fn abort_shuts_the_socket_down() {
+        let (mut client, server) = tcp_pair();
+        let control = StreamControl::new(Some(server.as_raw_fd()));
+        control.abort();
+        assert!(control.is_aborted());
+        let mut buffer = [0u8; 16];
+        match client.read(&mut buffer) {
+            Ok(0) => {}
+            Err(error) if error.kind() == ErrorKind::ConnectionReset => {}
+            other => panic!("the peer should see the end of the connection: {other:?}"),
+        }
+    }
+
+    /// Once the body is gone the fd may be reused by another connection: an abort after
+    /// `release` must not touch it.
+    #[test]
+    fn abort_after_release_leaves_the_descriptor_alone() {
+        let (mut client, mut server) = tcp_pair();
+        let control = StreamControl::new(Some(server.as_raw_fd()));
+        control.release();
+        control.abort();
+        assert!(control.is_aborted());
+        server.write_all(b"still open").unwrap();
+        let mut buffer = [0u8; 10];
+        client.read_exact(&mut buffer).unwrap();
+        assert_eq!(&buffer, b"still open");
+    }
+
+    #[test]
+    fn idle_time_counts_from_the_last_write() {
+        let control = StreamControl::new(None);
+        std::thread::sleep(Duration::from_millis(30));
+        assert!(control.idle_for() >= Duration::from_millis(30));
+        control.wrote();
+        // Stored in whole milliseconds: at most one is lost to rounding.
+        assert!(control.idle_for() < Duration::from_millis(20));
+    }
+}
