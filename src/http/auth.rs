@@ -158,13 +158,14 @@ mod tests {
     use serde_json::{json, Value};
 
     use super::*;
+    use crate::config::Secret;
 
     const SECRET: &str = "a-test-secret-of-some-length";
 
     fn jwt() -> Authenticator {
         Authenticator::new(&AuthConfig {
             mode: AuthMode::Jwt,
-            jwt_secret: SECRET.into(),
+            jwt_secret: Secret::new(SECRET),
             jwt_public_key_file: None,
         })
         .unwrap()
@@ -217,7 +218,7 @@ mod tests {
     fn mode_none_lets_everything_through() {
         let auth = Authenticator::new(&AuthConfig {
             mode: AuthMode::None,
-            jwt_secret: String::new(),
+            jwt_secret: Secret::default(),
             jwt_public_key_file: None,
         })
         .unwrap();
@@ -357,7 +358,7 @@ mod tests {
     fn a_public_key_file_that_is_no_key_stops_start_up() {
         let config = |path: std::path::PathBuf| AuthConfig {
             mode: AuthMode::Jwt,
-            jwt_secret: String::new(),
+            jwt_secret: Secret::default(),
             jwt_public_key_file: Some(path),
         };
         let missing = std::env::temp_dir().join("posthorn-auth-test-no-such-key.pem");
