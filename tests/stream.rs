@@ -1,12 +1,13 @@
 //! Black-box tests of `GET /v1/devices/{device}/events` (docs/http-api.md) on the memory backend:
-//! headers and prelude, live delivery, resume, resync, heartbeats, takeover and limits.
+//! headers and prelude, framing, heartbeats, takeover and limits. Resume, resync and broadcast,
+//! which every backend must do alike, are the conformance suite's (tests/conformance/).
 
 mod support;
 
 use std::time::Duration;
 
 use serde_json::{json, Value};
-use support::{http, metrics, stream_path, Hub, SseClient, SseEvent, SseNext};
+use support::{http, metrics, stream_path, Hub, SseClient, SseNext};
 
 const WAIT: Duration = Duration::from_secs(10);
 
@@ -26,22 +27,6 @@ async fn publish_to(hub: &Hub, device: &str, data: &str) -> String {
         json!({ "device": device, "type": "test", "data": data }),
     )
     .await
-}
-
-fn resync_reason(event: &SseEvent) -> String {
-    assert_eq!(event.event, "resync", "expected a resync, got {event:?}");
-    let data: Value = serde_json::from_str(&event.data).expect("resync data is JSON");
-    data["reason"].as_str().expect("reason").to_string()
-}
-
-/// Two device ids that land on different shards of the default 64.
-fn devices_on_two_shards() -> (&'static str, &'static str) {
-    let (a, b) = ("pos-1", "pos-17");
-    assert_ne!(
-        crc32fast::hash(a.as_bytes()) % 64,
-        crc32fast::hash(b.as_bytes()) % 64
-    );
-    (a, b)
 }
 
 /// The stream answers 200 with the documented headers and flushes `retry:` and a comment before any
@@ -117,138 +102,6 @@ async fn an_event_published_right_after_the_head_is_never_missed() {
     }
 }
 
-/// Reconnecting with `Last-Event-ID` replays exactly the device's missed events and its shard's
-/// broadcasts, in order, then continues live; `?last_event_id=` works the same way.
-#[tokio::test]
-async fn resume_replays_missed_events_then_continues_live() {
-    let hub = Hub::builder().start().await;
-    let (device, other) = devices_on_two_shards();
-    let mut client = SseClient::connect(hub.addr(), &stream_path(device), &[]).await;
-    publish_to(&hub, device, "e1").await;
-    let cursor = publish_to(&hub, device, "e2").await;
-    let seen = client.expect_events(2, WAIT).await;
-    assert_eq!(seen[1].id.as_deref(), Some(cursor.as_str()));
-    drop(client);
-
-    publish_to(&hub, device, "e3").await;
-    publish_to(&hub, other, "not for us").await;
-    publish(
-        &hub,
-        json!({ "broadcast": true, "type": "notice", "data": "b1" }),
-    )
-    .await;
-    publish_to(&hub, device, "e4").await;
-
-    let by_header = [("Last-Event-ID", cursor.as_str())];
-    let by_query = format!("{}?last_event_id={cursor}", stream_path(device));
-    for (path, headers) in [(stream_path(device), &by_header[..]), (by_query, &[][..])] {
-        // One after the other: a second stream of the device would take the first one over.
-        let mut resume = SseClient::connect(hub.addr(), &path, headers).await;
-        let replayed = resume.expect_events(3, WAIT).await;
-        let data: Vec<&str> = replayed.iter().map(|e| e.data.as_str()).collect();
-        assert_eq!(data, ["e3", "b1", "e4"]);
-        assert_eq!(replayed[1].event, "notice");
-        assert!(matches!(
-            resume.next_event(Duration::from_millis(300)).await,
-            SseNext::Timeout
-        ));
-    }
-
-    let mut resume = SseClient::connect(
-        hub.addr(),
-        &stream_path(device),
-        &[("Last-Event-ID", &cursor)],
-    )
-    .await;
-    resume.expect_events(3, WAIT).await;
-    publish_to(&hub, device, "e5").await;
-    assert_eq!(resume.expect_event(WAIT).await.data, "e5");
-    let scrape = metrics::scrape(hub.addr()).await;
-    assert_eq!(scrape.value("sse_replayed_events_total", &[]), Some(9.0));
-}
-
-/// A cursor that cannot be resumed yields one `resync` with its reason and the head id, then
-/// only live events; the resync id itself is a valid cursor afterwards.
-#[tokio::test]
-async fn unusable_cursors_get_resync_with_reason_and_head_id() {
-    let hub = Hub::builder()
-        .env("POSTHORN_MEMORY__MAX_LEN", "3")
-        .start()
-        .await;
-    let (device, other) = devices_on_two_shards();
-    let oldest = publish_to(&hub, device, "old").await;
-    let mut head = String::new();
-    for i in 0..5 {
-        head = publish_to(&hub, device, &format!("n{i}")).await;
-    }
-    let other_shard = publish_to(&hub, other, "x").await;
-    let (epoch, rest) = oldest.split_once('.').expect("epoch.shard.position");
-    let cases = [
-        ("garbage", "invalid".to_string()),
-        (&"9".repeat(10_000), "invalid".to_string()),
-        ("-1", "invalid".to_string()),
-        ("ünïcödé.1.2-3", "invalid".to_string()),
-        (&other_shard, "invalid".to_string()),
-        (&format!("zz{epoch}.{rest}"), "data_lost".to_string()),
-        (&oldest, "expired".to_string()),
-    ];
-    for (cursor, reason) in &cases {
-        let path = format!(
-            "{}?last_event_id={}",
-            stream_path(device),
-            urlencode(cursor)
-        );
-        let mut client = SseClient::connect(hub.addr(), &path, &[]).await;
-        assert_eq!(client.status(), 200);
-        let event = client.expect_event(WAIT).await;
-        assert_eq!(&resync_reason(&event), reason, "cursor {cursor:?}");
-        assert_eq!(
-            event.id.as_deref(),
-            Some(head.as_str()),
-            "resync carries the head id"
-        );
-        let live = publish_to(&hub, device, "after").await;
-        let next = client.expect_event(WAIT).await;
-        assert_eq!(
-            (next.id.as_deref(), next.data.as_str()),
-            (Some(live.as_str()), "after")
-        );
-        head = live;
-    }
-    let mut client = SseClient::connect(
-        hub.addr(),
-        &stream_path(device),
-        &[("Last-Event-ID", &head)],
-    )
-    .await;
-    assert!(matches!(
-        client.next_event(Duration::from_millis(300)).await,
-        SseNext::Timeout
-    ));
-    let scrape = metrics::scrape(hub.addr()).await;
-    assert_eq!(
-        scrape.value("sse_resyncs_total", &[("reason", "invalid")]),
-        Some(5.0)
-    );
-    assert_eq!(
-        scrape.value("sse_resyncs_total", &[("reason", "data_lost")]),
-        Some(1.0)
-    );
-    assert_eq!(
-        scrape.value("sse_resyncs_total", &[("reason", "expired")]),
-        Some(1.0)
-    );
-}
-
-fn urlencode(text: &str) -> String {
-    text.bytes()
-        .map(|b| match b {
-            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'.' | b'-' | b'_' => (b as char).to_string(),
-            _ => format!("%{b:02X}"),
-        })
-        .collect()
-}
-
 /// Heartbeats are `: ping` comments at the configured interval, never carrying an id.
 #[tokio::test]
 async fn heartbeats_are_ping_comments_without_ids() {
@@ -302,23 +155,6 @@ async fn second_connection_for_a_device_takes_over() {
         Some(1.0)
     );
     assert_eq!(scrape.value("sse_connections", &[]), Some(1.0));
-}
-
-/// A broadcast reaches every connected device exactly once, whatever its shard.
-#[tokio::test]
-async fn broadcast_reaches_each_device_once() {
-    let hub = Hub::builder().start().await;
-    let (a, b) = devices_on_two_shards();
-    let mut first = SseClient::connect(hub.addr(), &stream_path(a), &[]).await;
-    let mut second = SseClient::connect(hub.addr(), &stream_path(b), &[]).await;
-    publish(&hub, json!({ "broadcast": true, "data": "all" })).await;
-    publish_to(&hub, a, "marker").await;
-    publish_to(&hub, b, "marker").await;
-    for client in [&mut first, &mut second] {
-        let events = client.expect_events(2, WAIT).await;
-        assert_eq!(events[0].data, "all");
-        assert_eq!(events[1].data, "marker", "the broadcast must arrive once");
-    }
 }
 
 /// Invalid device ids are refused with 400 and a JSON error naming the problem.

@@ -8,7 +8,6 @@
 //! the blanket `dead_code` allowance.
 #![allow(dead_code)]
 
-pub mod conformance;
 pub mod http;
 pub mod hub;
 pub mod metrics;
@@ -69,42 +68,6 @@ pub async fn publish_to(hub: &Hub, device: &str, data: &str) -> String {
         .as_str()
         .expect("id")
         .to_string()
-}
-
-/// Two pods on one backend: a client reads part of its events on pod A, disconnects, resumes on
-/// pod B from its cursor with no loss and no duplicate, then gets live events published through
-/// pod A.
-pub async fn assert_client_moves_between_pods(pod_a: &Hub, pod_b: &Hub) {
-    const WAIT: Duration = Duration::from_secs(20);
-    let mut on_a = live_stream(pod_a, "pos-5").await;
-    for i in 0..5 {
-        publish_to(pod_a, "pos-5", &format!("{i}")).await;
-    }
-    let seen = on_a.expect_events(3, WAIT).await;
-    let cursor = seen[2].id.clone().expect("id");
-    drop(on_a);
-    for i in 5..8 {
-        publish_to(pod_b, "pos-5", &format!("{i}")).await;
-    }
-    let mut on_b = SseClient::connect(
-        pod_b.addr(),
-        &stream_path("pos-5"),
-        &[("Last-Event-ID", &cursor)],
-    )
-    .await;
-    let data: Vec<String> = on_b
-        .expect_events(5, WAIT)
-        .await
-        .into_iter()
-        .map(|e| e.data)
-        .collect();
-    assert_eq!(data, ["3", "4", "5", "6", "7"]);
-    publish_to(pod_a, "pos-5", "8").await;
-    assert_eq!(on_b.expect_event(WAIT).await.data, "8");
-    assert!(matches!(
-        on_b.next_event(Duration::from_millis(500)).await,
-        SseNext::Timeout
-    ));
 }
 
 /// A fresh directory under the system temp dir for one server's files (`kind` names the server).

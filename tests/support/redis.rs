@@ -997,11 +997,25 @@ impl RedisCluster {
     /// which refuses fewer; by hand below that) and waits until every node
     /// reports `cluster_state:ok`.
     pub async fn start(masters: usize) -> RedisCluster {
+        Self::start_masters(masters, false).await
+    }
+
+    /// Like [`RedisCluster::start`], with AOF on every node
+    /// ([`RedisBuilder::appendonly`]): a node that is stopped and started
+    /// again ([`RedisServer::stop`], [`RedisServer::start_again`]) keeps every
+    /// acknowledged write, and [`RedisServer::restart_without_data`] loses
+    /// them all.
+    pub async fn start_persistent(masters: usize) -> RedisCluster {
+        Self::start_masters(masters, true).await
+    }
+
+    async fn start_masters(masters: usize, appendonly: bool) -> RedisCluster {
         assert!(masters >= 1, "a cluster needs at least one master");
         let builder = RedisBuilder {
             cluster: true,
             ..RedisBuilder::default()
-        };
+        }
+        .appendonly(appendonly);
         let cluster = Self::start_nodes(masters, builder).await;
         if masters >= 3 {
             cluster.create_with_redis_cli(0).await;
