@@ -18,7 +18,7 @@
 //! | count stored entries | — | XLEN | XLEN | stream info |
 //! | two pods on one store | — | yes | yes | yes |
 //! | unreachable at start-up | — | closed port | closed port | closed port |
-//! | `publish.dedupe_window = 0s` | yes | yes | yes | — (a known gap, see [`Env::lacks`]) |
+//! | `publish.dedupe_window = 0s` | yes | yes | yes | yes |
 
 use std::fmt::Write as _;
 use std::time::Duration;
@@ -176,12 +176,6 @@ impl Env {
             (Kind::Memory, Outage) => Some("the memory backend is never unreachable"),
             (Kind::Memory, SharedStore) => Some("a memory backend belongs to one pod"),
             (Kind::Memory, Unreachable) => Some("the memory backend is never unreachable"),
-            // Found by this suite; src/backend/nats/ sets the stream's duplicate window to the
-            // dedupe window, and nats-server 2.9 turns a window of 0 into its default.
-            (Kind::Nats, ZeroDedupeWindow) => Some(
-                "KNOWN GAP: JetStream takes a duplicate window of 0 for its default of 2 min, so \
-                 a NATS hub with publish.dedupe_window = 0s still answers repeats as duplicates",
-            ),
             _ => None,
         }
     }

@@ -258,8 +258,10 @@ impl Inner {
                         self.layout.stream
                     )));
                 }
+                // A wanted window of 0 is the server's default there (see `append`).
                 if info.config.max_age == wanted.max_age
-                    && info.config.duplicate_window == wanted.duplicate_window
+                    && (info.config.duplicate_window == wanted.duplicate_window
+                        || wanted.duplicate_window.is_zero())
                 {
                     return Ok(info);
                 }
@@ -406,7 +408,13 @@ impl Inner {
                 let mut headers = HeaderMap::new();
                 headers.insert(message::DEV_HEADER, event.target.as_field());
                 headers.insert(message::TYPE_HEADER, event.event_type.as_str());
-                if let Some(key) = &event.key {
+                // A dedupe window of 0 remembers no key. JetStream cannot be told so (it takes a
+                // duplicate window of 0 for its default of 2 min), so the hub sends no message id.
+                if let Some(key) = event
+                    .key
+                    .as_ref()
+                    .filter(|_| !self.settings.dedupe_window.is_zero())
+                {
                     headers.insert(
                         message::MSG_ID_HEADER,
                         message::message_id(&event.target, shard, key),
