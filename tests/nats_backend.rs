@@ -9,14 +9,12 @@ mod support;
 
 use std::time::Duration;
 
-use async_nats::{
-    jetstream::{self, stream},
-    HeaderMap,
-};
+use async_nats::jetstream::stream;
 use serde_json::Value;
 use support::{
-    live_stream, metrics, nats::NatsServer, publish_to, stream_path, Hub, SseClient, SseEvent,
-    SseNext,
+    live_stream, metrics,
+    nats::{headers, produce, stream_state, NatsServer},
+    publish_to, stream_path, Hub, SseClient, SseEvent, SseNext,
 };
 
 const WAIT: Duration = Duration::from_secs(20);
@@ -40,41 +38,6 @@ fn shard(device: &str) -> u32 {
 
 fn subject(device: &str) -> String {
     format!("posthorn.ev.{}", shard(device))
-}
-
-fn headers(pairs: &[(&str, &str)]) -> HeaderMap {
-    let mut headers = HeaderMap::new();
-    for (name, value) in pairs {
-        headers.insert(*name, *value);
-    }
-    headers
-}
-
-/// Publishes as an external producer would (the NATS format of docs/stream-format.md, not through the hub) and waits
-/// for JetStream's ack; returns the stream sequence.
-async fn produce(
-    js: &jetstream::Context,
-    subject: &str,
-    pairs: &[(&str, &str)],
-    body: &[u8],
-) -> u64 {
-    js.publish_with_headers(subject.to_string(), headers(pairs), body.to_vec().into())
-        .await
-        .expect("publish")
-        .await
-        .expect("ack")
-        .sequence
-}
-
-async fn stream_state(js: &jetstream::Context) -> stream::State {
-    js.get_stream(STREAM)
-        .await
-        .expect("the stream exists")
-        .info()
-        .await
-        .expect("stream info")
-        .state
-        .clone()
 }
 
 /// JetStream specifics of external producers (what every backend does with them is the
@@ -120,7 +83,7 @@ async fn a_core_publish_is_delivered_and_a_subject_without_a_shard_skipped() {
         client.next_event(Duration::from_millis(500)).await,
         SseNext::Timeout
     ));
-    assert_eq!(stream_state(&js).await.messages, 3);
+    assert_eq!(stream_state(&js, STREAM).await.messages, 3);
     let scrape = metrics::scrape(hub.addr()).await;
     assert_eq!(scrape.value("tail_entries_skipped_total", &[]), Some(1.0));
     let lag = scrape
@@ -156,7 +119,7 @@ async fn a_hole_left_by_a_purge_gives_expired() {
         .keep(1)
         .await
         .unwrap();
-    let state = stream_state(&js).await;
+    let state = stream_state(&js, STREAM).await;
     assert_eq!(state.first_sequence, 1, "{state:?}");
     let mut expired =
         SseClient::connect(hub.addr(), &stream_path("pos-2"), &[("Last-Event-ID", &h1)]).await;

@@ -3,7 +3,7 @@
 use super::{CliError, ConfigArg};
 use crate::backend::{nats, redis::layout_of};
 use crate::{
-    config::{BackendKind, Config},
+    config::{BackendChoice, Config},
     model::{shard_of, DeviceId},
 };
 
@@ -25,9 +25,10 @@ pub fn run(args: ShardKeyArgs) -> Result<(), CliError> {
     let device = DeviceId::parse(&args.device).map_err(|error| {
         CliError::Usage(format!("invalid device id {:?}: {error}", args.device))
     })?;
-    if config.backend.kind == BackendKind::Nats {
-        let shard = shard_of(device.as_str(), config.nats.shards);
-        let subject = nats::layout_of(&config.nats).subject(shard);
+    // The memory backend has no key of its own: producers that prepare for Redis see theirs.
+    if let BackendChoice::Nats(nats_config) = config.backend_choice() {
+        let shard = shard_of(device.as_str(), nats_config.shards);
+        let subject = nats::layout_of(nats_config).subject(shard);
         println!("shard={shard} subject={subject}");
         return Ok(());
     }

@@ -23,14 +23,14 @@
 use std::fmt::Write as _;
 use std::time::Duration;
 
-use async_nats::{
-    jetstream::{self, stream},
-    HeaderMap,
-};
 use serde_json::{json, Value};
 
 use crate::support::{
-    free_port, http, hub::HubBuilder, nats::NatsServer, redis::RedisServer, Hub, RedisCluster,
+    free_port, http,
+    hub::HubBuilder,
+    nats::{produce, stream_state, NatsServer},
+    redis::RedisServer,
+    Hub, RedisCluster,
 };
 
 /// Shards of every backend in the suite (the default).
@@ -300,7 +300,7 @@ impl Env {
                     headers.push(("Posthorn-Type", event_type));
                 }
                 let js = nats.jetstream().await;
-                nats_produce(&js, &nats_subject(on), &headers, data.as_bytes()).await;
+                produce(&js, &nats_subject(on), &headers, data.as_bytes()).await;
             }
             Servers::Memory => self.cannot(Fault::ExternalProducer),
         }
@@ -326,9 +326,9 @@ impl Env {
             Servers::Nats(nats) => {
                 let js = nats.jetstream().await;
                 let subject = nats_subject(on);
-                nats_produce(&js, &subject, &[("Posthorn-Type", "x")], b"no device").await;
-                nats_produce(&js, &subject, &[("Posthorn-Dev", device)], &[0xff, 0xfe]).await;
-                nats_produce(
+                produce(&js, &subject, &[("Posthorn-Type", "x")], b"no device").await;
+                produce(&js, &subject, &[("Posthorn-Dev", device)], &[0xff, 0xfe]).await;
+                produce(
                     &js,
                     &subject,
                     &[("Posthorn-Dev", device), ("Posthorn-Type", "a space")],
@@ -520,7 +520,7 @@ impl Env {
             }
             Servers::Nats(nats) => {
                 let js = nats.jetstream().await;
-                nats_stream_state(&js).await.messages
+                stream_state(&js, NATS_STREAM).await.messages
             }
             Servers::Memory => self.cannot(Fault::InspectStore),
         }
@@ -575,31 +575,6 @@ fn cluster_key(on: u32) -> String {
 
 fn nats_subject(on: u32) -> String {
     format!("posthorn.ev.{on}")
-}
-
-/// Publishes as an external producer would (the NATS format of docs/stream-format.md) and waits
-/// for JetStream's ack.
-async fn nats_produce(js: &jetstream::Context, subject: &str, pairs: &[(&str, &str)], body: &[u8]) {
-    let mut headers = HeaderMap::new();
-    for (name, value) in pairs {
-        headers.insert(*name, *value);
-    }
-    js.publish_with_headers(subject.to_string(), headers, body.to_vec().into())
-        .await
-        .expect("publish")
-        .await
-        .expect("ack");
-}
-
-async fn nats_stream_state(js: &jetstream::Context) -> stream::State {
-    js.get_stream(NATS_STREAM)
-        .await
-        .expect("the stream exists")
-        .info()
-        .await
-        .expect("stream info")
-        .state
-        .clone()
 }
 
 /// Waits until `/readyz` answers `status`.

@@ -374,3 +374,43 @@ pub(super) fn binary() -> Option<PathBuf> {
         }
     }
 }
+
+/// NATS headers from name/value pairs.
+pub fn headers(pairs: &[(&str, &str)]) -> async_nats::HeaderMap {
+    let mut headers = async_nats::HeaderMap::new();
+    for (name, value) in pairs {
+        headers.insert(*name, *value);
+    }
+    headers
+}
+
+/// Publishes as an external producer would (the NATS format of docs/stream-format.md, not
+/// through the hub) and waits for JetStream's ack; returns the stream sequence.
+pub async fn produce(
+    js: &async_nats::jetstream::Context,
+    subject: &str,
+    pairs: &[(&str, &str)],
+    body: &[u8],
+) -> u64 {
+    js.publish_with_headers(subject.to_string(), headers(pairs), body.to_vec().into())
+        .await
+        .expect("publish")
+        .await
+        .expect("ack")
+        .sequence
+}
+
+/// The state of stream `name` (message count, first and last sequence).
+pub async fn stream_state(
+    js: &async_nats::jetstream::Context,
+    name: &str,
+) -> async_nats::jetstream::stream::State {
+    js.get_stream(name)
+        .await
+        .expect("the stream exists")
+        .info()
+        .await
+        .expect("stream info")
+        .state
+        .clone()
+}
