@@ -120,10 +120,14 @@ async fn follow(
             connected.wait().await;
         }
         // Until everything is published, leave after a random number of events (sometimes none).
+        // Not before the first event, though: a client without a cursor resumes nothing, so
+        // leaving then would lose, by the contract, what is published while it is away (this
+        // made the test fail about once in twenty runs: a device's first 20 events missing).
+        let fewest = u64::from(cursor.is_none());
         let budget = if *published.borrow() {
             u64::MAX
         } else {
-            rand::rng().random_range(0..150)
+            rand::rng().random_range(fewest..150)
         };
         let mut read = 0;
         while read < budget && (expect.unicast < EVENTS_PER_DEVICE || expect.broadcast < broadcasts)
