@@ -40,6 +40,8 @@ pub enum ServeError {
     },
     #[error("the drain reached drain.grace with streams still open")]
     DrainForced,
+    #[error("cannot load the HTTPS certificate (server.tls_cert_file, server.tls_key_file)")]
+    Certificate(#[source] crate::tls::TlsError),
     #[error("cannot start the backend")]
     Backend(#[source] BackendError),
     #[error("the stream tails did not start within {}s (last error: {last_error})", within.as_secs())]
@@ -119,6 +121,13 @@ pub fn serve(config: Config) -> Result<(), ServeError> {
         Err(error) => log::warn!("cannot raise the open files limit: {error}"),
     }
     let config = Arc::new(config);
+    // Before the backend: a certificate that does not load is a mistake to report at once.
+    let https = config
+        .server
+        .tls_files()
+        .map(|(cert, key)| http::tls::HttpsListener::new(cert, key))
+        .transpose()
+        .map_err(ServeError::Certificate)?;
     System::new().block_on(async move {
         let backend = build_backend(&config).await?;
         let metrics = Arc::new(Metrics::new(Registry::new(), backend.kind()));
@@ -169,7 +178,8 @@ pub fn serve(config: Config) -> Result<(), ServeError> {
         let shutdown = shutdown.start();
 
         let auth = Arc::new(
-            crate::http::auth::Authenticator::new(&config.auth).map_err(ServeError::Unservable)?,
+            crate::http::auth::Authenticator::new(&config.auth, &config.server)
+                .map_err(ServeError::Unservable)?,
         );
         let replayer = Arc::new(Replayer::new(
             backend.clone(),
@@ -191,14 +201,18 @@ pub fn serve(config: Config) -> Result<(), ServeError> {
             drain: drain_status,
             auth,
         };
-        let server = http::server(state).map_err(|source| ServeError::Bind {
+        let server = http::server(state, https.clone()).map_err(|source| ServeError::Bind {
             addr: config.server.listen,
             source,
         })?;
         shutdown.do_send(AttachServer(server.handle()));
+        if let Some(https) = &https {
+            https.spawn_reloader();
+        }
         log::info!(
-            "posthorn {} listening on http://{} (backend {}, {} workers)",
+            "posthorn {} listening on {}://{} (backend {}, {} workers)",
             env!("CARGO_PKG_VERSION"),
+            if https.is_some() { "https" } else { "http" },
             config.server.listen,
             config.backend.kind.as_str(),
             config.effective_workers()

@@ -1,10 +1,10 @@
 //! posthorn: a realtime event hub for fleets of point-of-sale terminals.
 //!
 //! Crate map, in layers: a module imports only from the layers above it in this list (checked
-//! by `scripts/check-layers`; `docs/ARCHITECTURE.md` draws them with the message flow).
+//! by `tests/layers.rs`; `docs/ARCHITECTURE.md` draws them with the message flow).
 //! - [`model`]: device ids, event types, shards, positions, cursors, close and resync reasons
 //!   (pure); [`stop`]: the stop signal of long-running loops; [`report`]: errors with their
-//!   causes, for people. The reference client is its own crate, `posthorn-client` (`client/`).
+//!   causes, for people; [`tls`]: certificates, keys and trusted CAs from PEM files. The reference client is its own crate, `posthorn-client` (`client/`).
 //! - [`config`]: the typed, validated configuration.
 //! - [`metrics`]: every Prometheus metric. [`pod`]: pod-wide state (draining, stream counts).
 //! - [`sse`]: SSE framing and the items a stream's queue carries (pure).
@@ -32,3 +32,4 @@ pub mod report;
 pub mod sse;
 pub mod stop;
 pub mod stream;
+pub mod tls;

@@ -115,10 +115,11 @@ async fn publish_needs_the_publish_scope() {
         let event = event.clone();
         async move {
             let header = token.map(|t| format!("Bearer {t}"));
-            let headers: Vec<(&str, &str)> = header
+            let mut headers: Vec<(&str, &str)> = header
                 .iter()
                 .map(|h| ("Authorization", h.as_str()))
                 .collect();
+            headers.push(("Content-Type", "application/json"));
             let body = serde_json::to_vec(&event).unwrap();
             http::request(hub_addr, "POST", "/v1/events", &headers, Some(&body))
                 .await
@@ -363,7 +364,7 @@ async fn token_command_and_secure_defaults() {
             hub.addr(),
             "POST",
             "/v1/events",
-            &[("Authorization", &bearer)],
+            &[("Authorization", &bearer), ("Content-Type", "application/json")],
             Some(&body)
         )
         .await
@@ -464,4 +465,84 @@ async fn tokens_are_not_logged() {
             "a token or the secret appeared in the log"
         );
     }
+}
+
+/// With jwt auth a browser cannot attach the token by itself, so origins and hosts are not
+/// checked (tests/browser.rs checks them with auth `none`): a token-bearing publish from any
+/// origin, naming any host, is served.
+#[tokio::test]
+async fn browser_checks_are_for_auth_none_only() {
+    let hub = jwt_hub().await;
+    let bearer = format!(
+        "Bearer {}",
+        hs256(json!({ "scope": "publish", "exp": now() + 600 }))
+    );
+    let body = serde_json::to_vec(&json!({ "device": "pos-1", "data": "with a token" })).unwrap();
+    let response = http::request(
+        hub.addr(),
+        "POST",
+        "/v1/events",
+        &[
+            ("Content-Type", "application/json"),
+            ("Origin", "https://other.example"),
+            ("Host", "hub.example.com"),
+            ("Authorization", &bearer),
+        ],
+        Some(&body),
+    )
+    .await;
+    assert_eq!(response.status, 201, "{}", response.text());
+}
+
+/// `auth.jwt_secret_file`: the secret comes from a file (its final line break dropped); tokens
+/// signed with it are accepted, `posthorn token` signs with it, and neither the log at debug
+/// level nor `/admin/status` shows it.
+#[tokio::test]
+async fn secret_from_a_file() {
+    let dir = support::unique_temp_dir("jwt-secret");
+    let file = dir.join("secret");
+    std::fs::write(&file, format!("{SECRET}\n")).unwrap();
+    let hub = Hub::builder()
+        .env("RUST_LOG", "debug")
+        .env("POSTHORN_AUTH__MODE", "jwt")
+        .env("POSTHORN_AUTH__JWT_SECRET_FILE", file.to_str().unwrap())
+        .start()
+        .await;
+    let (status, _) = stream_status(
+        &hub,
+        &stream_path("pos-1"),
+        &[(
+            "Authorization",
+            &format!("Bearer {}", hs256(json!({ "sub": "pos-1", "exp": now() + 600 }))),
+        )],
+    )
+    .await;
+    assert_eq!(status, 200, "a token signed with the file's secret");
+
+    let minted = std::process::Command::new(env!("CARGO_BIN_EXE_posthorn"))
+        .args(["token", "--scope", "admin"])
+        .env("POSTHORN_AUTH__MODE", "jwt")
+        .env("POSTHORN_AUTH__JWT_SECRET_FILE", file.to_str().unwrap())
+        .output()
+        .unwrap();
+    assert!(minted.status.success(), "{minted:?}");
+    let admin = String::from_utf8(minted.stdout).unwrap().trim().to_string();
+    let status = http::request(
+        hub.addr(),
+        "GET",
+        "/admin/status",
+        &[("Authorization", &format!("Bearer {admin}"))],
+        None,
+    )
+    .await;
+    assert_eq!(status.status, 200, "{}", status.text());
+    let auth = &status.json()["config"]["auth"];
+    assert_eq!(auth["jwt_secret"], "(set)", "{auth}");
+    assert_eq!(auth["jwt_secret_file"], file.to_str().unwrap(), "{auth}");
+    assert!(!status.text().contains(SECRET));
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    let log = hub.stderr_log();
+    assert!(log.contains("DEBUG"), "debug logging is on");
+    assert!(!log.contains(SECRET), "the secret appeared in the log");
+    std::fs::remove_dir_all(&dir).unwrap();
 }

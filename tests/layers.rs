@@ -12,7 +12,7 @@ use std::{
 /// Bottom first. A module may use the modules of the layers before its own, never its own
 /// layer's others or a later one.
 const LAYERS: &[&[&str]] = &[
-    &["model", "stop", "report"],
+    &["model", "stop", "report", "tls"],
     &["config"],
     &["metrics", "pod"],
     &["sse"],

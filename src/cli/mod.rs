@@ -64,7 +64,7 @@ impl CliError {
     pub fn exit_code(&self) -> i32 {
         match self {
             CliError::Config(error) => error.exit_code(),
-            CliError::Serve(ServeError::Unservable(_))
+            CliError::Serve(ServeError::Unservable(_) | ServeError::Certificate(_))
             | CliError::Usage(_)
             | CliError::Loadtest(LoadtestError::Usage(_)) => 64,
             CliError::Serve(_)

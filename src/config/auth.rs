@@ -4,11 +4,12 @@
 use std::fmt;
 use std::path::PathBuf;
 
-use serde::{Serialize, Serializer};
+use serde::Serialize;
 
 use super::error::{invalid, ConfigError};
 use super::raw::RawAuth;
 use super::secret::Secret;
+use super::value::{optional_path, serialize_optional_path};
 
 /// How clients authenticate.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
@@ -37,9 +38,12 @@ impl fmt::Display for AuthMode {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct AuthConfig {
     pub mode: AuthMode,
+    /// From `auth.jwt_secret`, or read from `auth.jwt_secret_file` at start-up.
     pub jwt_secret: Secret,
+    #[serde(serialize_with = "serialize_optional_path")]
+    pub jwt_secret_file: Option<PathBuf>,
     /// Shown as "" when unset, as it is written in the file.
-    #[serde(serialize_with = "path_or_empty")]
+    #[serde(serialize_with = "serialize_optional_path")]
     pub jwt_public_key_file: Option<PathBuf>,
 }
 
@@ -57,34 +61,42 @@ impl TryFrom<RawAuth> for AuthConfig {
                 ))
             }
         };
-        let auth = AuthConfig {
-            mode,
-            jwt_secret: Secret::new(raw.jwt_secret),
-            jwt_public_key_file: (!raw.jwt_public_key_file.is_empty())
-                .then(|| PathBuf::from(raw.jwt_public_key_file)),
-        };
-        if auth.mode == AuthMode::Jwt {
-            let has_secret = !auth.jwt_secret.is_empty();
-            let has_key = auth.jwt_public_key_file.is_some();
-            if has_secret == has_key {
-                // Never echo the secret itself; saying which are set is enough.
-                let got = if has_secret { "both" } else { "neither" };
+        let jwt_secret_file = optional_path(raw.jwt_secret_file);
+        let jwt_public_key_file = optional_path(raw.jwt_public_key_file);
+        if mode == AuthMode::Jwt {
+            // Never echo the secret itself; naming the keys that are set is enough.
+            let set: Vec<&str> = [
+                ("auth.jwt_secret", !raw.jwt_secret.is_empty()),
+                ("auth.jwt_secret_file", jwt_secret_file.is_some()),
+                ("auth.jwt_public_key_file", jwt_public_key_file.is_some()),
+            ]
+            .into_iter()
+            .filter_map(|(key, is_set)| is_set.then_some(key))
+            .collect();
+            if set.len() != 1 {
+                let got = if set.is_empty() {
+                    "none".to_string()
+                } else {
+                    set.join(" and ")
+                };
                 return Err(invalid(
                     "auth.jwt_secret",
                     format!(
-                        "exactly one of auth.jwt_secret and auth.jwt_public_key_file must be set when auth.mode is jwt (got {got})"
+                        "exactly one of auth.jwt_secret, auth.jwt_secret_file and auth.jwt_public_key_file must be set when auth.mode is jwt (got {got})"
                     ),
                 ));
             }
         }
-        Ok(auth)
-    }
-}
-
-fn path_or_empty<S: Serializer>(path: &Option<PathBuf>, s: S) -> Result<S::Ok, S::Error> {
-    match path {
-        Some(path) => s.collect_str(&path.display()),
-        None => s.serialize_str(""),
+        let jwt_secret = match (&jwt_secret_file, mode) {
+            (Some(path), AuthMode::Jwt) => Secret::from_file("auth.jwt_secret_file", path)?,
+            _ => Secret::new(raw.jwt_secret),
+        };
+        Ok(AuthConfig {
+            mode,
+            jwt_secret,
+            jwt_secret_file,
+            jwt_public_key_file,
+        })
     }
 }
 
@@ -92,25 +104,40 @@ fn path_or_empty<S: Serializer>(path: &Option<PathBuf>, s: S) -> Result<S::Ok, S
 mod tests {
     use super::*;
 
-    fn auth(mode: &str, secret: &str, key_file: &str) -> Result<AuthConfig, String> {
-        AuthConfig::try_from(RawAuth {
+    fn raw(mode: &str, secret: &str, secret_file: &str, key_file: &str) -> RawAuth {
+        RawAuth {
             mode: mode.into(),
             jwt_secret: secret.into(),
+            jwt_secret_file: secret_file.into(),
             jwt_public_key_file: key_file.into(),
-        })
-        .map_err(|error| error.to_string())
+        }
     }
 
-    /// jwt mode needs exactly one of secret and public key file, and the error never shows the
-    /// secret.
+    fn auth(mode: &str, secret: &str, key_file: &str) -> Result<AuthConfig, String> {
+        AuthConfig::try_from(raw(mode, secret, "", key_file)).map_err(|error| error.to_string())
+    }
+
+    /// jwt mode needs exactly one of secret, secret file and public key file, and the error never
+    /// shows the secret.
     #[test]
     fn jwt_needs_one_credential() {
         let error = auth("jwt", "", "").expect_err("neither");
         assert!(error.starts_with("auth.jwt_secret: "), "{error}");
-        assert!(error.ends_with("(got neither)"), "{error}");
+        assert!(error.ends_with("(got none)"), "{error}");
         let error = auth("jwt", "s3cret", "/k.pem").expect_err("both");
         assert!(error.starts_with("auth.jwt_secret: "), "{error}");
+        assert!(
+            error.ends_with("(got auth.jwt_secret and auth.jwt_public_key_file)"),
+            "{error}"
+        );
         assert!(!error.contains("s3cret"), "{error}");
+        let error = AuthConfig::try_from(raw("jwt", "s3cret", "/s", ""))
+            .expect_err("secret twice")
+            .to_string();
+        assert!(
+            error.ends_with("(got auth.jwt_secret and auth.jwt_secret_file)"),
+            "{error}"
+        );
         let c = auth("jwt", "", "/k.pem").expect("valid");
         assert_eq!(c.mode, AuthMode::Jwt);
         assert_eq!(c.jwt_public_key_file, Some(PathBuf::from("/k.pem")));
@@ -119,14 +146,49 @@ mod tests {
         assert_eq!(error, "auth.mode: must be one of none, jwt (got \"basic\")");
     }
 
-    /// The section shows the mode, whether the secret is set, and the key file or "".
+    /// The secret file is read at load, without its final line break; a missing or empty file
+    /// stops start-up naming the key.
+    #[test]
+    fn secret_from_a_file() {
+        let dir = std::env::temp_dir().join(format!("posthorn-auth-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("jwt-secret");
+        std::fs::write(&file, "from-a-file\n").unwrap();
+        let c = AuthConfig::try_from(raw("jwt", "", file.to_str().unwrap(), "")).expect("valid");
+        assert_eq!(c.jwt_secret.expose(), "from-a-file");
+        let shown = serde_json::to_value(&c).expect("json");
+        assert_eq!(shown["jwt_secret"], "(set)");
+        assert_eq!(shown["jwt_secret_file"], file.to_str().unwrap());
+
+        std::fs::write(&file, "\n").unwrap();
+        let error = AuthConfig::try_from(raw("jwt", "", file.to_str().unwrap(), ""))
+            .expect_err("empty")
+            .to_string();
+        assert!(error.starts_with("auth.jwt_secret_file: ") && error.ends_with("is empty"), "{error}");
+        let missing = dir.join("missing");
+        let error = AuthConfig::try_from(raw("jwt", "", missing.to_str().unwrap(), ""))
+            .expect_err("missing")
+            .to_string();
+        assert!(
+            error.starts_with("auth.jwt_secret_file: cannot read ") && error.contains("missing"),
+            "{error}"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// The section shows the mode, whether the secret is set, and the files or "".
     #[test]
     fn shown_without_the_secret() {
         let c = auth("jwt", "s3cret", "").expect("valid");
         assert!(!format!("{c:?}").contains("s3cret"));
         assert_eq!(
             serde_json::to_value(&c).expect("json"),
-            serde_json::json!({ "mode": "jwt", "jwt_secret": "(set)", "jwt_public_key_file": "" })
+            serde_json::json!({
+                "mode": "jwt",
+                "jwt_secret": "(set)",
+                "jwt_secret_file": "",
+                "jwt_public_key_file": "",
+            })
         );
         let c = auth("jwt", "", "/etc/k.pem").expect("valid");
         assert_eq!(

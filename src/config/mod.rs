@@ -508,15 +508,18 @@ mod tests {
         assert!(!format!("{c:?}").contains("s3cret"));
     }
 
-    /// A configuration that sets every key of every section (all but `redis.cluster` and
-    /// `auth.jwt_public_key_file` away from their defaults), with a JWT secret and passwords in
-    /// the URLs.
+    /// A configuration that sets every key of every section (all but `redis.cluster`,
+    /// `auth.jwt_secret_file` and `auth.jwt_public_key_file` away from their defaults), with a
+    /// JWT secret and passwords in the URLs.
     const EVERY_KEY_SET: &str = r#"
 [server]
 listen = "0.0.0.0:9090"
 workers = 3
 insecure = true
 cors_origins = ["https://a.example", "*"]
+allowed_hosts = ["hub.internal"]
+tls_cert_file = "/etc/posthorn/tls/cert.pem"
+tls_key_file = "/etc/posthorn/tls/key.pem"
 [backend]
 kind = "redis"
 [memory]
@@ -556,6 +559,7 @@ close_rate = 7
 [auth]
 mode = "jwt"
 jwt_secret = "s3cret"
+jwt_secret_file = ""
 jwt_public_key_file = ""
 [publish]
 dedupe_window = "1h"
@@ -581,6 +585,9 @@ cache_entries = 0
                 "effective_workers": 3,
                 "insecure": true,
                 "cors_origins": ["https://a.example", "*"],
+                "allowed_hosts": ["hub.internal"],
+                "tls_cert_file": "/etc/posthorn/tls/cert.pem",
+                "tls_key_file": "/etc/posthorn/tls/key.pem",
             },
             "backend": { "kind": "redis" },
             "memory": { "retention": "5m", "max_len": 20, "shards": 8 },
@@ -618,7 +625,12 @@ cache_entries = 0
                 "retry_max": "90s",
                 "close_rate": 7,
             },
-            "auth": { "mode": "jwt", "jwt_secret": "(set)", "jwt_public_key_file": "" },
+            "auth": {
+                "mode": "jwt",
+                "jwt_secret": "(set)",
+                "jwt_secret_file": "",
+                "jwt_public_key_file": "",
+            },
             "publish": { "dedupe_window": "1h" },
             "limits": {
                 "max_event_bytes": 1000,
@@ -642,6 +654,7 @@ cache_entries = 0
             serde_json::json!({
                 "mode": "jwt",
                 "jwt_secret": "(empty)",
+                "jwt_secret_file": "",
                 "jwt_public_key_file": "/etc/posthorn/k.pem",
             })
         );

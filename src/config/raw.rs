@@ -35,6 +35,9 @@ pub struct RawServer {
     pub workers: i64,
     pub insecure: bool,
     pub cors_origins: Vec<String>,
+    pub allowed_hosts: Vec<String>,
+    pub tls_cert_file: String,
+    pub tls_key_file: String,
 }
 
 impl Default for RawServer {
@@ -44,6 +47,9 @@ impl Default for RawServer {
             workers: 0,
             insecure: false,
             cors_origins: Vec::new(),
+            allowed_hosts: Vec::new(),
+            tls_cert_file: String::new(),
+            tls_key_file: String::new(),
         }
     }
 }
@@ -185,6 +191,7 @@ impl Default for RawDrain {
 pub struct RawAuth {
     pub mode: String,
     pub jwt_secret: String,
+    pub jwt_secret_file: String,
     pub jwt_public_key_file: String,
 }
 
@@ -193,6 +200,7 @@ impl Default for RawAuth {
         Self {
             mode: "none".into(),
             jwt_secret: String::new(),
+            jwt_secret_file: String::new(),
             jwt_public_key_file: String::new(),
         }
     }
@@ -204,6 +212,7 @@ impl std::fmt::Debug for RawAuth {
         f.debug_struct("RawAuth")
             .field("mode", &self.mode)
             .field("jwt_secret", &super::secret::marker(&self.jwt_secret))
+            .field("jwt_secret_file", &self.jwt_secret_file)
             .field("jwt_public_key_file", &self.jwt_public_key_file)
             .finish()
     }

@@ -35,6 +35,27 @@ impl Secret {
     pub fn is_empty(&self) -> bool {
         self.0.is_empty()
     }
+
+    /// The secret in the file at `path` (for `key`), read once at start-up: a secret kept in a
+    /// mounted file (a Kubernetes Secret, a Vault agent's output) stays out of the environment
+    /// that `/proc/<pid>/environ` and crash reports show. One trailing line break is not part of
+    /// it: `echo secret > file` writes one.
+    pub fn from_file(key: &str, path: &std::path::Path) -> Result<Self, super::ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|error| {
+            super::error::invalid(key, format!("cannot read {}: {error}", path.display()))
+        })?;
+        let value = text
+            .strip_suffix('\n')
+            .map(|rest| rest.strip_suffix('\r').unwrap_or(rest))
+            .unwrap_or(&text);
+        if value.is_empty() {
+            return Err(super::error::invalid(
+                key,
+                format!("{} is empty", path.display()),
+            ));
+        }
+        Ok(Self(value.to_string()))
+    }
 }
 
 impl fmt::Debug for Secret {

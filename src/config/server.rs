@@ -1,12 +1,13 @@
 //! `[server]`: where the hub listens, how many HTTP workers it runs, and who may connect.
 
 use std::net::SocketAddr;
+use std::path::PathBuf;
 
 use serde::Serialize;
 
 use super::error::{invalid, ConfigError};
 use super::raw::RawServer;
-use super::value::int_in;
+use super::value::{int_in, optional_path, serialize_optional_path};
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct ServerConfig {
@@ -18,6 +19,21 @@ pub struct ServerConfig {
     pub effective_workers: usize,
     pub insecure: bool,
     pub cors_origins: Vec<String>,
+    /// Host names, besides loopback ones, that requests may name in `Host` when auth is `none`
+    /// (docs/security.md, "Requests a browser sends for someone else"); `*` turns the check off.
+    pub allowed_hosts: Vec<String>,
+    /// With both set the listener serves HTTPS only (docs/operations.md, "TLS").
+    #[serde(serialize_with = "serialize_optional_path")]
+    pub tls_cert_file: Option<PathBuf>,
+    #[serde(serialize_with = "serialize_optional_path")]
+    pub tls_key_file: Option<PathBuf>,
+}
+
+impl ServerConfig {
+    /// The certificate chain and key files when the hub serves HTTPS.
+    pub fn tls_files(&self) -> Option<(&PathBuf, &PathBuf)> {
+        self.tls_cert_file.as_ref().zip(self.tls_key_file.as_ref())
+    }
 }
 
 impl TryFrom<RawServer> for ServerConfig {
@@ -39,12 +55,49 @@ impl TryFrom<RawServer> for ServerConfig {
                 ));
             }
         }
+        let mut allowed_hosts = Vec::with_capacity(raw.allowed_hosts.len());
+        for entry in raw.allowed_hosts {
+            let entry = entry.trim().to_ascii_lowercase();
+            // Kept as a request's Host names it once its port is cut: IPv6 without brackets.
+            let host = entry
+                .strip_prefix('[')
+                .and_then(|rest| rest.strip_suffix(']'))
+                .unwrap_or(&entry);
+            let is_host = host.parse::<std::net::IpAddr>().is_ok()
+                || (!host.is_empty()
+                    && host
+                        .chars()
+                        .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '-')));
+            if host != "*" && !is_host {
+                return Err(invalid(
+                    "server.allowed_hosts",
+                    format!("each entry must be \"*\" or a host name or address without scheme or port (got {entry:?})"),
+                ));
+            }
+            allowed_hosts.push(host.to_string());
+        }
+        let tls_cert_file = optional_path(raw.tls_cert_file);
+        let tls_key_file = optional_path(raw.tls_key_file);
+        if tls_cert_file.is_some() != tls_key_file.is_some() {
+            let (set, unset) = if tls_cert_file.is_some() {
+                ("server.tls_cert_file", "server.tls_key_file")
+            } else {
+                ("server.tls_key_file", "server.tls_cert_file")
+            };
+            return Err(invalid(
+                unset,
+                format!("must be set together with {set} (HTTPS needs both the certificate chain and its key)"),
+            ));
+        }
         Ok(ServerConfig {
             listen,
             workers,
             effective_workers: effective_workers(workers),
             insecure: raw.insecure,
             cors_origins: raw.cors_origins,
+            allowed_hosts,
+            tls_cert_file,
+            tls_key_file,
         })
     }
 }
@@ -101,6 +154,52 @@ mod tests {
             error.starts_with("server.cors_origins: ") && error.contains("\"example.com\""),
             "{error}"
         );
+    }
+
+    /// HTTPS needs both files; either alone is refused naming the missing one.
+    #[test]
+    fn tls_files_come_in_pairs() {
+        let both = server(RawServer {
+            tls_cert_file: "/etc/posthorn/cert.pem".into(),
+            tls_key_file: "/etc/posthorn/key.pem".into(),
+            ..RawServer::default()
+        })
+        .expect("valid");
+        assert_eq!(
+            both.tls_files(),
+            Some((
+                &PathBuf::from("/etc/posthorn/cert.pem"),
+                &PathBuf::from("/etc/posthorn/key.pem")
+            ))
+        );
+        assert_eq!(server(RawServer::default()).expect("valid").tls_files(), None);
+        let error = server(RawServer {
+            tls_cert_file: "/c.pem".into(),
+            ..RawServer::default()
+        })
+        .expect_err("no key");
+        assert!(error.starts_with("server.tls_key_file: must be set together with server.tls_cert_file"), "{error}");
+        let error = server(RawServer {
+            tls_key_file: "/k.pem".into(),
+            ..RawServer::default()
+        })
+        .expect_err("no cert");
+        assert!(error.starts_with("server.tls_cert_file: "), "{error}");
+    }
+
+    /// Allowed hosts are names or addresses, lower-cased; a URL or a port is refused.
+    #[test]
+    fn allowed_hosts_are_host_names() {
+        let hosts = |list: &[&str]| RawServer {
+            allowed_hosts: list.iter().map(|h| h.to_string()).collect(),
+            ..RawServer::default()
+        };
+        let ok = server(hosts(&["Hub.Internal", "10.0.0.7", "[fd00::1]", "*"])).expect("valid");
+        assert_eq!(ok.allowed_hosts, ["hub.internal", "10.0.0.7", "fd00::1", "*"]);
+        for bad in ["https://hub.internal", "hub internal", "", "hub:8080"] {
+            let error = server(hosts(&[bad])).expect_err(bad);
+            assert!(error.starts_with("server.allowed_hosts: "), "{error}");
+        }
     }
 
     /// Workers: 0 means one per core (at least one), a negative count is refused.

@@ -11,9 +11,9 @@ use actix_web::HttpRequest;
 use jsonwebtoken::{Algorithm, DecodingKey, Validation};
 use serde::Deserialize;
 
-use super::error::ApiError;
+use super::{browser::BrowserGuard, error::ApiError};
 use crate::{
-    config::{AuthConfig, AuthMode},
+    config::{AuthConfig, AuthMode, ServerConfig},
     model::DeviceId,
 };
 
@@ -56,13 +56,19 @@ impl Scope {
 pub struct Authenticator {
     /// None with `auth.mode = "none"`.
     verifier: Option<(DecodingKey, Validation)>,
+    /// What stands in for a token with `auth.mode = "none"`.
+    browser: BrowserGuard,
 }
 
 impl Authenticator {
     /// Loads the key once at start-up; the error names the configuration key at fault.
-    pub fn new(config: &AuthConfig) -> Result<Self, String> {
+    pub fn new(config: &AuthConfig, server: &ServerConfig) -> Result<Self, String> {
+        let browser = BrowserGuard::new(server);
         if config.mode == AuthMode::None {
-            return Ok(Self { verifier: None });
+            return Ok(Self {
+                verifier: None,
+                browser,
+            });
         }
         let (key, algorithm) = match &config.jwt_public_key_file {
             Some(path) => {
@@ -91,6 +97,7 @@ impl Authenticator {
         validation.validate_aud = false;
         Ok(Self {
             verifier: Some((key, validation)),
+            browser,
         })
     }
 
@@ -98,11 +105,12 @@ impl Authenticator {
         self.verifier.is_some()
     }
 
-    /// Ok when the request may do `access`; always Ok when auth is off (the caller applies the
-    /// loopback rule for admin endpoints then).
+    /// Ok when the request may do `access`. With auth off, only requests a browser could have
+    /// sent for another site are refused (`browser.rs`; the caller applies the loopback rule for
+    /// admin endpoints).
     pub fn check(&self, request: &HttpRequest, access: Access<'_>) -> Result<(), ApiError> {
         let Some((key, validation)) = &self.verifier else {
-            return Ok(());
+            return self.browser.check(request, access);
         };
         let token = bearer(request).ok_or_else(|| {
             ApiError::Unauthorized(
@@ -163,11 +171,15 @@ mod tests {
     const SECRET: &str = "a-test-secret-of-some-length";
 
     fn jwt() -> Authenticator {
-        Authenticator::new(&AuthConfig {
-            mode: AuthMode::Jwt,
-            jwt_secret: Secret::new(SECRET),
-            jwt_public_key_file: None,
-        })
+        Authenticator::new(
+            &AuthConfig {
+                mode: AuthMode::Jwt,
+                jwt_secret: Secret::new(SECRET),
+                jwt_secret_file: None,
+                jwt_public_key_file: None,
+            },
+            &crate::config::Config::default().server,
+        )
         .unwrap()
     }
 
@@ -214,13 +226,19 @@ mod tests {
         matches!(result, Err(ApiError::Forbidden(_)))
     }
 
+    /// With auth `none` no token is needed, and a garbage one is ignored (what a browser may send
+    /// instead is checked in `browser.rs`).
     #[test]
-    fn mode_none_lets_everything_through() {
-        let auth = Authenticator::new(&AuthConfig {
-            mode: AuthMode::None,
-            jwt_secret: Secret::default(),
-            jwt_public_key_file: None,
-        })
+    fn mode_none_needs_no_token() {
+        let auth = Authenticator::new(
+            &AuthConfig {
+                mode: AuthMode::None,
+                jwt_secret: Secret::default(),
+                jwt_secret_file: None,
+                jwt_public_key_file: None,
+            },
+            &crate::config::Config::default().server,
+        )
         .unwrap();
         assert!(!auth.is_enabled());
         let request = TestRequest::default().to_http_request();
@@ -359,10 +377,11 @@ mod tests {
         let config = |path: std::path::PathBuf| AuthConfig {
             mode: AuthMode::Jwt,
             jwt_secret: Secret::default(),
+            jwt_secret_file: None,
             jwt_public_key_file: Some(path),
         };
         let missing = std::env::temp_dir().join("posthorn-auth-test-no-such-key.pem");
-        let error = Authenticator::new(&config(missing)).err().unwrap();
+        let error = Authenticator::new(&config(missing), &crate::config::Config::default().server).err().unwrap();
         assert!(
             error.starts_with("auth.jwt_public_key_file: cannot read"),
             "{error}"
@@ -377,7 +396,7 @@ mod tests {
             "-----BEGIN PUBLIC KEY-----\nnope\n-----END PUBLIC KEY-----\n",
         )
         .unwrap();
-        let error = Authenticator::new(&config(path.clone())).err().unwrap();
+        let error = Authenticator::new(&config(path.clone()), &crate::config::Config::default().server).err().unwrap();
         std::fs::remove_file(&path).unwrap();
         assert!(
             error.contains("neither an RSA nor an EC public key"),

@@ -20,6 +20,8 @@ pub enum ApiError {
     },
     #[error("{0}")]
     InvalidRequest(String),
+    #[error("{0}")]
+    UnsupportedMediaType(String),
     #[error("malformed JSON: {0}")]
     MalformedJson(String),
     #[error("{0}")]
@@ -61,6 +63,7 @@ impl ApiError {
         match self {
             ApiError::InvalidDevice { .. } => "invalid_device",
             ApiError::InvalidField { .. } | ApiError::InvalidRequest(_) => "invalid_request",
+            ApiError::UnsupportedMediaType(_) => "unsupported_media_type",
             ApiError::MalformedJson(_) => "malformed_json",
             ApiError::PayloadTooLarge(_) | ApiError::FieldTooLarge { .. } => "payload_too_large",
             ApiError::Draining => "draining",
@@ -94,6 +97,7 @@ impl ResponseError for ApiError {
             ApiError::PayloadTooLarge(_) | ApiError::FieldTooLarge { .. } => {
                 StatusCode::PAYLOAD_TOO_LARGE
             }
+            ApiError::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             ApiError::Draining
             | ApiError::TooManyConnections(_)
             | ApiError::Backend(_)

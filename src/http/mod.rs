@@ -1,12 +1,14 @@
 //! The HTTP edge (docs/http-api.md): routes, shared state, and the server with its socket settings.
 
 pub mod auth;
+pub mod browser;
 pub mod cors;
 pub mod error;
 pub mod ops;
 pub mod publish;
 pub mod server;
 pub mod sse;
+pub mod tls;
 
 use std::{net::TcpListener, sync::Arc, time::Duration};
 
@@ -101,12 +103,12 @@ impl actix_web::Responder for ApiError {
     }
 }
 
-/// Binds the listening socket and starts the HTTP workers. Signals are ours (the Shutdown
-/// actor), not the server's.
-pub fn server(state: AppState) -> std::io::Result<Server> {
+/// Binds the listening socket and starts the HTTP workers, serving HTTPS with `https`. Signals
+/// are ours (the Shutdown actor), not the server's.
+pub fn server(state: AppState, https: Option<tls::HttpsListener>) -> std::io::Result<Server> {
     let config = state.config.clone();
     let listener = listener(config.server.listen, config.sse.send_buffer)?;
-    Server::start(listener, config.effective_workers(), state)
+    Server::start(listener, config.effective_workers(), state, https)
 }
 
 /// The listening socket, with every option an accepted connection needs: Linux copies them to

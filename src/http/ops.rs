@@ -34,10 +34,12 @@ pub async fn metrics(state: web::Data<AppState>) -> HttpResponse {
         .body(state.metrics.render())
 }
 
-/// Admin endpoints need the `admin` scope with jwt auth, and a loopback client with auth `none`.
+/// Admin endpoints need the `admin` scope with jwt auth, and a loopback client that no browser
+/// sent for another site with auth `none`.
 fn require_admin(request: &HttpRequest, state: &AppState) -> Result<(), ApiError> {
+    state.auth.check(request, Access::Admin)?;
     if state.auth.is_enabled() {
-        return state.auth.check(request, Access::Admin);
+        return Ok(());
     }
     admin_without_auth(request.peer_addr())
 }

@@ -26,6 +26,10 @@ pub async fn publish(
 ) -> Result<HttpResponse, ApiError> {
     // Before reading the body: an unauthenticated producer gets nothing buffered.
     state.auth.check(&request, Access::Publish)?;
+    if let Err(error) = require_json(&request) {
+        state.metrics.published(PublishResult::Rejected, 1);
+        return Err(error);
+    }
     let events = match read_limited(&request, payload, state.config.limits.max_body_bytes)
         .await
         .and_then(|body| parse_batch(&body, &state.config.limits))
@@ -70,6 +74,26 @@ pub async fn publish(
     } else {
         HttpResponse::MultiStatus().json(body)
     })
+}
+
+/// A body is JSON only when it says so. Besides telling a producer that sent a form what is
+/// wrong, this keeps browsers out: `application/json` is not a content type a page may send to
+/// another site without a CORS preflight, which the hub grants only to `server.cors_origins`.
+fn require_json(request: &HttpRequest) -> Result<(), ApiError> {
+    let content_type = request
+        .headers()
+        .get(actix_web::http::header::CONTENT_TYPE)
+        .map(|value| String::from_utf8_lossy(value.as_bytes()).into_owned());
+    let essence = content_type
+        .as_deref()
+        .map(|value| value.split(';').next().unwrap_or("").trim());
+    if essence.is_some_and(|essence| essence.eq_ignore_ascii_case("application/json")) {
+        return Ok(());
+    }
+    Err(ApiError::UnsupportedMediaType(format!(
+        "POST /v1/events takes Content-Type: application/json (got {})",
+        content_type.map_or_else(|| "none".into(), |value| format!("{value:?}"))
+    )))
 }
 
 /// The `error` of an item that has no id (docs/operations.md, "Publishing answers").

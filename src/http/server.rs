@@ -18,7 +18,7 @@ use std::{
     future::Future,
     io,
     net::{SocketAddr, TcpListener},
-    os::fd::AsRawFd,
+    os::fd::{AsRawFd, RawFd},
     pin::Pin,
     rc::Rc,
     task::{Context, Poll, Waker},
@@ -30,9 +30,13 @@ use actix_rt::{net::TcpStream, Arbiter};
 use actix_service::{map_config, IntoServiceFactory, Service, ServiceFactory, ServiceFactoryExt};
 use actix_web::{dev::AppConfig, App};
 use slab::Slab;
-use tokio::sync::{mpsc, watch, Notify};
+use tokio::{
+    io::{AsyncRead, AsyncWrite},
+    sync::{mpsc, watch, Notify},
+};
+use tokio_rustls::server::TlsStream;
 
-use super::{configure, cors, AppState};
+use super::{configure, cors, tls::HttpsListener, AppState};
 use crate::{
     stop::{sleep_or_stop, StopHandle},
     stream::ConnectionSocket,
@@ -41,6 +45,9 @@ use crate::{
 /// How long a stop waits for requests in flight. SSE responses never finish on their own; the
 /// drain has closed them before the server stops, so waiting longer would only delay the exit.
 const STOP_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Longest TLS handshake: as long as a client may take to send its request head.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Pause after an accept failed for want of file descriptors or memory: retrying at once would
 /// spin on the same error while the listen queue waits either way.
@@ -53,8 +60,14 @@ pub struct Server {
 }
 
 impl Server {
-    /// Starts `workers` arbiters that accept from `listener` (already bound and listening).
-    pub fn start(listener: TcpListener, workers: usize, state: AppState) -> io::Result<Self> {
+    /// Starts `workers` arbiters that accept from `listener` (already bound and listening),
+    /// serving HTTPS when `https` is given.
+    pub fn start(
+        listener: TcpListener,
+        workers: usize,
+        state: AppState,
+        https: Option<HttpsListener>,
+    ) -> io::Result<Self> {
         let address = listener.local_addr()?;
         let (handle, stop_requested) = StopHandle::new();
         let (worker_running, workers_running) = mpsc::channel(1);
@@ -63,13 +76,15 @@ impl Server {
             let state = state.clone();
             let stop_requested = stop_requested.clone();
             let worker_running = worker_running.clone();
+            let https = https.clone();
             let arbiter = Arbiter::new();
             let handle = arbiter.handle();
             // The service and its connections are not `Send`: they are built on the worker's
             // own thread and stay there.
             arbiter.spawn_fn(move || {
                 actix_rt::spawn(async move {
-                    if let Err(error) = serve(listener, address, state, stop_requested).await {
+                    if let Err(error) = serve(listener, address, state, stop_requested, https).await
+                    {
                         log::error!("HTTP worker {index} failed: {error}");
                     }
                     handle.stop();
@@ -101,24 +116,15 @@ async fn serve(
     address: SocketAddr,
     state: AppState,
     mut stop_requested: watch::Receiver<bool>,
+    https: Option<HttpsListener>,
 ) -> io::Result<()> {
     let listener = actix_rt::net::TcpListener::from_std(listener)?;
     let worker_stop = Rc::new(WorkerStop::default());
-    let service = Rc::new(
-        http_service(state, address, worker_stop.clone())
-            .new_service(())
-            .await
-            .map_err(|()| io::Error::other("cannot build the HTTP service"))?,
-    );
     let open = Rc::new(OpenConnections::default());
-    loop {
-        let accepted = tokio::select! {
-            biased;
-            _ = stop_requested.wait_for(|stop| *stop) => break,
-            accepted = listener.accept() => accepted,
-        };
-        match accepted {
-            Ok((stream, peer)) => {
+    match https {
+        None => {
+            let service = build::<TcpStream>(state, address, &worker_stop).await?;
+            accept_until_stopped(&listener, &mut stop_requested, |stream, peer| {
                 let service = service.clone();
                 let guard = open.enter();
                 actix_rt::spawn(async move {
@@ -127,19 +133,39 @@ async fn serve(
                     let _ = service.call((stream, Protocol::Http1, Some(peer))).await;
                     drop(guard);
                 });
-            }
-            // A connection that failed before we took it (reset, aborted) concerns its client only.
-            Err(error) if !is_resource_shortage(&error) => {
-                log::debug!("a connection failed before it was accepted: {error}");
-            }
-            Err(error) => {
-                log::error!("cannot accept a connection: {error}");
-                if sleep_or_stop(ACCEPT_ERROR_PAUSE, &mut stop_requested).await {
-                    break;
-                }
-            }
+            })
+            .await;
+        }
+        Some(https) => {
+            let tls_buffer = state.config.sse.send_buffer;
+            let service = build::<TlsStream<TcpStream>>(state, address, &worker_stop).await?;
+            accept_until_stopped(&listener, &mut stop_requested, |stream, peer| {
+                let service = service.clone();
+                let guard = open.enter();
+                let handshake = https.acceptor.accept(stream);
+                actix_rt::spawn(async move {
+                    match actix_rt::time::timeout(HANDSHAKE_TIMEOUT, handshake).await {
+                        Ok(Ok(mut stream)) => {
+                            // What rustls holds back, encrypted, on top of the kernel's send
+                            // buffer: capped alike, so a client that stops reading fills its
+                            // queue and is evicted instead of parking bytes here.
+                            if tls_buffer > 0 {
+                                stream.get_mut().1.set_buffer_limit(Some(tls_buffer));
+                            }
+                            let _ = service.call((stream, Protocol::Http1, Some(peer))).await;
+                        }
+                        Ok(Err(error)) => log::debug!("TLS handshake with {peer} failed: {error}"),
+                        Err(_) => log::debug!(
+                            "TLS handshake with {peer} not done within {HANDSHAKE_TIMEOUT:?}"
+                        ),
+                    }
+                    drop(guard);
+                });
+            })
+            .await;
         }
     }
+    // No more connections from here on: the socket closes once every worker has let go of it.
     drop(listener);
     worker_stop.stop();
     if actix_rt::time::timeout(STOP_TIMEOUT, open.all_closed())
@@ -154,6 +180,47 @@ async fn serve(
     Ok(())
 }
 
+/// A worker's HTTP service for connections of type `Io`.
+async fn build<Io: TcpConnection>(
+    state: AppState,
+    address: SocketAddr,
+    worker_stop: &Rc<WorkerStop>,
+) -> io::Result<Rc<impl Service<(Io, Protocol, Option<SocketAddr>)>>> {
+    let service = http_service::<Io>(state, address, worker_stop.clone())
+        .new_service(())
+        .await
+        .map_err(|()| io::Error::other("cannot build the HTTP service"))?;
+    Ok(Rc::new(service))
+}
+
+/// Hands each accepted connection to `serve` until the stop.
+async fn accept_until_stopped(
+    listener: &actix_rt::net::TcpListener,
+    stop_requested: &mut watch::Receiver<bool>,
+    mut serve: impl FnMut(TcpStream, SocketAddr),
+) {
+    loop {
+        let accepted = tokio::select! {
+            biased;
+            _ = stop_requested.wait_for(|stop| *stop) => break,
+            accepted = listener.accept() => accepted,
+        };
+        match accepted {
+            Ok((stream, peer)) => serve(stream, peer),
+            // A connection that failed before we took it (reset, aborted) concerns its client only.
+            Err(error) if !is_resource_shortage(&error) => {
+                log::debug!("a connection failed before it was accepted: {error}");
+            }
+            Err(error) => {
+                log::error!("cannot accept a connection: {error}");
+                if sleep_or_stop(ACCEPT_ERROR_PAUSE, stop_requested).await {
+                    break;
+                }
+            }
+        }
+    }
+}
+
 /// Out of descriptors or memory: accepting again at once would fail the same way.
 pub fn is_resource_shortage(error: &io::Error) -> bool {
     matches!(
@@ -165,12 +232,12 @@ pub fn is_resource_shortage(error: &io::Error) -> bool {
 /// The HTTP service of one worker. Its dispatchers finish (an idle keep-alive connection closes,
 /// a request in flight is answered first) once `worker_stop` has stopped, also those of
 /// connections accepted just before the stop whose dispatchers look for the first time after it.
-fn http_service(
+fn http_service<Io: TcpConnection>(
     state: AppState,
     address: SocketAddr,
     worker_stop: Rc<WorkerStop>,
 ) -> impl ServiceFactory<
-    (TcpStream, Protocol, Option<SocketAddr>),
+    (Io, Protocol, Option<SocketAddr>),
     Config = (),
     Response = (),
     Error = DispatchError,
@@ -190,14 +257,32 @@ fn http_service(
         .h1_allow_half_closed(false)
         .local_addr(address)
         .graceful_shutdown_signal(move || worker_stop.signal())
-        .on_connect_ext(|stream: &TcpStream, extensions| {
-            extensions.insert(ConnectionSocket(stream.as_raw_fd()));
+        .on_connect_ext(|stream: &Io, extensions| {
+            extensions.insert(ConnectionSocket(stream.tcp_fd()));
         })
         // actix-web keeps `AppConfig::new` to itself; the default's host and address only serve
         // `ConnectionInfo` for requests without a Host header and `url_for`, neither used here.
         // The peer address comes with the accepted socket, so actix-http's `tcp()` wrapper (one
         // more `getpeername` per connection) is left out.
         .finish(map_config(app, |()| AppConfig::default()))
+}
+
+/// A connection the server serves: plain TCP, or TLS over it. The TCP socket underneath is what
+/// a stream's control cuts off (`stream::ConnectionSocket`).
+trait TcpConnection: AsyncRead + AsyncWrite + Unpin + 'static {
+    fn tcp_fd(&self) -> RawFd;
+}
+
+impl TcpConnection for TcpStream {
+    fn tcp_fd(&self) -> RawFd {
+        self.as_raw_fd()
+    }
+}
+
+impl TcpConnection for TlsStream<TcpStream> {
+    fn tcp_fd(&self) -> RawFd {
+        self.get_ref().0.as_raw_fd()
+    }
 }
 
 /// A worker's stop as its connections' dispatchers see it.
