@@ -364,7 +364,10 @@ async fn token_command_and_secure_defaults() {
             hub.addr(),
             "POST",
             "/v1/events",
-            &[("Authorization", &bearer), ("Content-Type", "application/json")],
+            &[
+                ("Authorization", &bearer),
+                ("Content-Type", "application/json")
+            ],
             Some(&body)
         )
         .await
@@ -513,7 +516,10 @@ async fn secret_from_a_file() {
         &stream_path("pos-1"),
         &[(
             "Authorization",
-            &format!("Bearer {}", hs256(json!({ "sub": "pos-1", "exp": now() + 600 }))),
+            &format!(
+                "Bearer {}",
+                hs256(json!({ "sub": "pos-1", "exp": now() + 600 }))
+            ),
         )],
     )
     .await;

@@ -36,7 +36,10 @@ async fn publish_takes_json_only() {
         let response = post(
             &hub,
             "/v1/events",
-            &[("Content-Type", content_type), ("Origin", "https://evil.example")],
+            &[
+                ("Content-Type", content_type),
+                ("Origin", "https://evil.example"),
+            ],
             &event_body("forged"),
         )
         .await;
@@ -95,7 +98,11 @@ async fn foreign_origins_cannot_publish_or_drain() {
         )
         .await;
         assert_eq!(response.status, 403, "{origin}: {}", response.text());
-        assert!(response.text().contains("server.cors_origins"), "{}", response.text());
+        assert!(
+            response.text().contains("server.cors_origins"),
+            "{}",
+            response.text()
+        );
         let response = post(&hub, "/admin/drain", &[("Origin", origin)], b"").await;
         assert_eq!(response.status, 403, "{origin}: {}", response.text());
         let response = http::request(
@@ -108,7 +115,11 @@ async fn foreign_origins_cannot_publish_or_drain() {
         .await;
         assert_eq!(response.status, 403, "{origin}: {}", response.text());
     }
-    assert_eq!(http::get(hub.addr(), "/readyz").await.status, 200, "not draining");
+    assert_eq!(
+        http::get(hub.addr(), "/readyz").await.status,
+        200,
+        "not draining"
+    );
     // The hub's own origin (a page it serves) and no Origin at all are fine.
     let own = format!("http://{}", hub.addr());
     let response = post(
@@ -169,7 +180,12 @@ async fn rebinding_hosts_are_refused() {
         .env("POSTHORN_SERVER__ALLOWED_HOSTS", "hub.internal")
         .start()
         .await;
-    for host in ["evil.example", "evil.example:8080", "0.0.0.0", "localhost.evil.example"] {
+    for host in [
+        "evil.example",
+        "evil.example:8080",
+        "0.0.0.0",
+        "localhost.evil.example",
+    ] {
         let stream = SseClient::connect(hub.addr(), &stream_path("pos-1"), &[("Host", host)]).await;
         assert_eq!(stream.status(), 403, "stream with Host {host}");
         let response = post(
@@ -180,11 +196,19 @@ async fn rebinding_hosts_are_refused() {
         )
         .await;
         assert_eq!(response.status, 403, "{host}: {}", response.text());
-        assert!(response.text().contains("DNS rebinding"), "{}", response.text());
+        assert!(
+            response.text().contains("DNS rebinding"),
+            "{}",
+            response.text()
+        );
         let response = post(&hub, "/admin/drain", &[("Host", host)], b"").await;
         assert_eq!(response.status, 403, "{host}: {}", response.text());
     }
-    assert_eq!(http::get(hub.addr(), "/readyz").await.status, 200, "not draining");
+    assert_eq!(
+        http::get(hub.addr(), "/readyz").await.status,
+        200,
+        "not draining"
+    );
     let port = hub.port().to_string();
     for host in [
         format!("localhost:{port}"),
@@ -192,8 +216,12 @@ async fn rebinding_hosts_are_refused() {
         "hub.internal".to_string(),
         format!("HUB.internal:{port}"),
     ] {
-        let mut stream =
-            SseClient::connect(hub.addr(), &stream_path("pos-1"), &[("Host", host.as_str())]).await;
+        let mut stream = SseClient::connect(
+            hub.addr(),
+            &stream_path("pos-1"),
+            &[("Host", host.as_str())],
+        )
+        .await;
         assert_eq!(stream.status(), 200, "stream with Host {host}");
         let response = post(
             &hub,

@@ -10,7 +10,10 @@
 //!   its source of truth) and continues from the id the resync carries.
 //! - Silence longer than three heartbeat intervals counts as a dead connection.
 //!
-//! Plain `http://` only; put TLS in front (a sidecar or the load balancer) for now.
+//! - Speaks `http://` and `https://` (rustls; the system's certificate authorities, or those of
+//!   a CA file). A certificate it cannot verify is a failed connection like any other: reported
+//!   and retried with backoff, since a fleet must come back by itself once the hub's certificate
+//!   is fixed.
 
 pub mod cursor;
 pub mod dechunk;
@@ -19,15 +22,18 @@ pub mod policy;
 
 use std::{
     io,
-    path::PathBuf,
+    path::{Path, PathBuf},
+    sync::Arc,
     time::{Duration, Instant},
 };
 
+use rustls::pki_types::{pem::PemObject, CertificateDer, ServerName};
 use thiserror::Error;
 use tokio::{
-    io::{AsyncReadExt, AsyncWriteExt},
+    io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt},
     net::TcpStream,
 };
+use tokio_rustls::TlsConnector;
 
 use self::{
     cursor::CursorFile,
@@ -38,8 +44,10 @@ use self::{
 
 #[derive(Debug, Clone)]
 pub struct ClientOptions {
-    /// The hub's base URL, `http://host:port` (a path prefix is kept).
+    /// The hub's base URL, `http://host[:port]` or `https://host[:port]` (a path prefix is kept).
     pub base_url: String,
+    /// For `https://`: the certificate authorities to trust, in PEM; the system's when `None`.
+    pub ca_file: Option<PathBuf>,
     pub device: String,
     /// Sent as `Authorization: Bearer <token>`.
     pub token: Option<String>,
@@ -69,8 +77,10 @@ pub enum Notice {
 
 #[derive(Debug, Error)]
 pub enum ClientError {
-    #[error("invalid hub URL {0:?}: expected http://host:port")]
+    #[error("invalid hub URL {0:?}: expected http://host[:port] or https://host[:port]")]
     Url(String),
+    #[error("cannot set up TLS: {0}")]
+    Tls(String),
     #[error("the hub refused the stream with {status}: {body}")]
     Refused { status: u16, body: String },
     #[error("cursor file {path}: {source}")]
@@ -78,27 +88,106 @@ pub enum ClientError {
 }
 
 struct Target {
+    /// What the TCP connection goes to, and the request's `Host`.
     host_port: String,
     path: String,
+    /// For `https://`: the connector and the name the certificate must carry.
+    tls: Option<(TlsConnector, ServerName<'static>)>,
 }
 
 fn target(options: &ClientOptions) -> Result<Target, ClientError> {
-    let rest = options
-        .base_url
-        .strip_prefix("http://")
-        .ok_or_else(|| ClientError::Url(options.base_url.clone()))?;
-    let (host_port, prefix) = match rest.split_once('/') {
-        Some((host_port, prefix)) => (host_port, format!("/{}", prefix.trim_end_matches('/'))),
+    let bad_url = || ClientError::Url(options.base_url.clone());
+    let (https, rest) = match options.base_url.split_once("://") {
+        Some(("http", rest)) => (false, rest),
+        Some(("https", rest)) => (true, rest),
+        _ => return Err(bad_url()),
+    };
+    let (authority, prefix) = match rest.split_once('/') {
+        Some((authority, prefix)) => (authority, format!("/{}", prefix.trim_end_matches('/'))),
         None => (rest, String::new()),
     };
-    if host_port.is_empty() || prefix.contains(['\r', '\n']) || host_port.contains(['\r', '\n']) {
-        return Err(ClientError::Url(options.base_url.clone()));
+    if authority.is_empty()
+        || prefix.contains(['\r', '\n'])
+        || authority.contains(['\r', '\n', '@'])
+    {
+        return Err(bad_url());
     }
+    // `[v6]:port`, `host:port`, or either without a port.
+    let (host, port) = match authority.rsplit_once(':') {
+        Some((host, port)) if !port.contains(']') => {
+            (host, port.parse::<u16>().map_err(|_| bad_url())?)
+        }
+        _ => (authority, if https { 443 } else { 80 }),
+    };
     let prefix = if prefix == "/" { String::new() } else { prefix };
+    let tls = if https {
+        let name = host.trim_start_matches('[').trim_end_matches(']');
+        let name = ServerName::try_from(name.to_string()).map_err(|_| bad_url())?;
+        Some((connector(options.ca_file.as_deref())?, name))
+    } else {
+        None
+    };
     Ok(Target {
-        host_port: host_port.to_string(),
+        host_port: format!("{host}:{port}"),
         path: format!("{prefix}/v1/devices/{}/events", options.device),
+        tls,
     })
+}
+
+/// A TLS connector trusting `ca_file`'s authorities, or the system's.
+fn connector(ca_file: Option<&Path>) -> Result<TlsConnector, ClientError> {
+    let mut roots = rustls::RootCertStore::empty();
+    match ca_file {
+        Some(path) => {
+            let certificates = CertificateDer::pem_file_iter(path)
+                .and_then(|found| found.collect::<Result<Vec<_>, _>>())
+                .map_err(|error| {
+                    ClientError::Tls(format!("CA file {}: {error}", path.display()))
+                })?;
+            roots.add_parsable_certificates(certificates);
+            if roots.is_empty() {
+                return Err(ClientError::Tls(format!(
+                    "CA file {} holds no usable certificate",
+                    path.display()
+                )));
+            }
+        }
+        None => {
+            roots.add_parsable_certificates(rustls_native_certs::load_native_certs().certs);
+            if roots.is_empty() {
+                return Err(ClientError::Tls(
+                    "this system has no certificate authorities to trust; give a CA file".into(),
+                ));
+            }
+        }
+    }
+    let config = rustls::ClientConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .map_err(|error| ClientError::Tls(error.to_string()))?
+    .with_root_certificates(roots)
+    .with_no_client_auth();
+    Ok(TlsConnector::from(Arc::new(config)))
+}
+
+/// A connection to the hub, with or without TLS.
+trait Connection: AsyncRead + AsyncWrite + Unpin + Send {}
+impl<T: AsyncRead + AsyncWrite + Unpin + Send> Connection for T {}
+
+async fn connect(target: &Target) -> Result<Box<dyn Connection>, String> {
+    let stream = TcpStream::connect(&target.host_port)
+        .await
+        .map_err(|error| format!("cannot connect to {}: {error}", target.host_port))?;
+    let _ = stream.set_nodelay(true);
+    let Some((connector, name)) = &target.tls else {
+        return Ok(Box::new(stream));
+    };
+    let stream = connector
+        .connect(name.clone(), stream)
+        .await
+        .map_err(|error| format!("TLS handshake with {} failed: {error}", target.host_port))?;
+    Ok(Box::new(stream))
 }
 
 /// How one connection ended.
@@ -176,17 +265,11 @@ async fn connect_once(
         .heartbeat
         .saturating_mul(3)
         .max(Duration::from_secs(1));
-    let mut stream = match tokio::time::timeout(
-        Duration::from_secs(10),
-        TcpStream::connect(&target.host_port),
-    )
-    .await
-    {
+    let mut stream = match tokio::time::timeout(Duration::from_secs(10), connect(target)).await {
         Ok(Ok(stream)) => stream,
-        Ok(Err(error)) => return retry(format!("cannot connect to {}: {error}", target.host_port)),
+        Ok(Err(reason)) => return retry(reason),
         Err(_) => return retry(format!("connecting to {} timed out", target.host_port)),
     };
-    let _ = stream.set_nodelay(true);
     let mut request = format!(
         "GET {} HTTP/1.1\r\nHost: {}\r\nAccept: text/event-stream\r\nCache-Control: no-cache\r\n",
         target.path, target.host_port
@@ -323,24 +406,62 @@ async fn connect_once(
 mod tests {
     use super::*;
 
-    /// Base URLs keep a path prefix and refuse anything but http://.
-    #[test]
-    fn targets_from_base_urls() {
-        let options = |url: &str| ClientOptions {
+    fn options(url: &str) -> ClientOptions {
+        ClientOptions {
             base_url: url.into(),
+            ca_file: None,
             device: "pos-1".into(),
             token: None,
             cursor_file: None,
             heartbeat: Duration::from_secs(20),
-        };
+        }
+    }
+
+    /// Base URLs keep a path prefix, get the scheme's port when they name none, and refuse
+    /// other schemes.
+    #[test]
+    fn targets_from_base_urls() {
         let t = target(&options("http://127.0.0.1:8080")).unwrap();
         assert_eq!(
             (t.host_port.as_str(), t.path.as_str()),
             ("127.0.0.1:8080", "/v1/devices/pos-1/events")
         );
+        assert!(t.tls.is_none());
         let t = target(&options("http://hub:80/posthorn/")).unwrap();
         assert_eq!(t.path, "/posthorn/v1/devices/pos-1/events");
-        assert!(target(&options("https://hub")).is_err());
+        assert_eq!(target(&options("http://hub")).unwrap().host_port, "hub:80");
+        assert_eq!(
+            target(&options("http://[::1]:9")).unwrap().host_port,
+            "[::1]:9"
+        );
         assert!(target(&options("ftp://hub")).is_err());
+        assert!(target(&options("http://hub:port")).is_err());
+        assert!(target(&options("http://user@hub")).is_err());
+    }
+
+    /// https:// names the certificate's expected name (without brackets or port) and defaults
+    /// to port 443; a CA file that holds nothing usable is an error before any connection.
+    #[test]
+    fn https_targets() {
+        let t = target(&options("https://hub.example/prefix")).unwrap();
+        assert_eq!(t.host_port, "hub.example:443");
+        assert_eq!(t.path, "/prefix/v1/devices/pos-1/events");
+        let (_, name) = t.tls.as_ref().expect("TLS");
+        assert_eq!(name.to_str(), "hub.example");
+        let t = target(&options("https://[::1]:8443")).unwrap();
+        assert_eq!(t.tls.as_ref().unwrap().1.to_str(), "::1");
+        let empty = std::env::temp_dir().join(format!("posthorn-client-ca-{}", std::process::id()));
+        std::fs::write(&empty, "not a certificate\n").unwrap();
+        let error = target(&ClientOptions {
+            ca_file: Some(empty.clone()),
+            ..options("https://hub.example")
+        })
+        .err()
+        .expect("no CA");
+        std::fs::remove_file(&empty).unwrap();
+        assert!(
+            matches!(&error, ClientError::Tls(text) if text.contains("no usable certificate")),
+            "{error}"
+        );
     }
 }

@@ -18,9 +18,12 @@ pub enum Format {
 
 #[derive(Debug, clap::Args)]
 pub struct TailArgs {
-    /// The hub's base URL, e.g. http://127.0.0.1:8080.
+    /// The hub's base URL, e.g. http://127.0.0.1:8080 or https://hub.example.
     #[arg(long)]
     pub url: String,
+    /// For https://: trust the certificate authorities in this PEM file instead of the system's.
+    #[arg(long, value_name = "FILE")]
+    pub ca_file: Option<PathBuf>,
     /// Device to follow.
     #[arg(long)]
     pub device: String,
@@ -46,6 +49,7 @@ fn parse_duration(text: &str) -> Result<Duration, String> {
 pub fn run(args: TailArgs) -> Result<(), CliError> {
     let options = ClientOptions {
         base_url: args.url.trim_end_matches('/').to_string(),
+        ca_file: args.ca_file,
         device: args.device,
         token: args.token,
         cursor_file: args.cursor_file,

@@ -164,7 +164,10 @@ mod tests {
         let error = AuthConfig::try_from(raw("jwt", "", file.to_str().unwrap(), ""))
             .expect_err("empty")
             .to_string();
-        assert!(error.starts_with("auth.jwt_secret_file: ") && error.ends_with("is empty"), "{error}");
+        assert!(
+            error.starts_with("auth.jwt_secret_file: ") && error.ends_with("is empty"),
+            "{error}"
+        );
         let missing = dir.join("missing");
         let error = AuthConfig::try_from(raw("jwt", "", missing.to_str().unwrap(), ""))
             .expect_err("missing")

@@ -172,13 +172,20 @@ mod tests {
                 &PathBuf::from("/etc/posthorn/key.pem")
             ))
         );
-        assert_eq!(server(RawServer::default()).expect("valid").tls_files(), None);
+        assert_eq!(
+            server(RawServer::default()).expect("valid").tls_files(),
+            None
+        );
         let error = server(RawServer {
             tls_cert_file: "/c.pem".into(),
             ..RawServer::default()
         })
         .expect_err("no key");
-        assert!(error.starts_with("server.tls_key_file: must be set together with server.tls_cert_file"), "{error}");
+        assert!(
+            error
+                .starts_with("server.tls_key_file: must be set together with server.tls_cert_file"),
+            "{error}"
+        );
         let error = server(RawServer {
             tls_key_file: "/k.pem".into(),
             ..RawServer::default()
@@ -195,7 +202,10 @@ mod tests {
             ..RawServer::default()
         };
         let ok = server(hosts(&["Hub.Internal", "10.0.0.7", "[fd00::1]", "*"])).expect("valid");
-        assert_eq!(ok.allowed_hosts, ["hub.internal", "10.0.0.7", "fd00::1", "*"]);
+        assert_eq!(
+            ok.allowed_hosts,
+            ["hub.internal", "10.0.0.7", "fd00::1", "*"]
+        );
         for bad in ["https://hub.internal", "hub internal", "", "hub:8080"] {
             let error = server(hosts(&[bad])).expect_err(bad);
             assert!(error.starts_with("server.allowed_hosts: "), "{error}");

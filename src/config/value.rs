@@ -107,6 +107,22 @@ pub(crate) fn name_chars(
     Ok(())
 }
 
+/// A file key as written: empty means unset.
+pub(crate) fn optional_path(raw: String) -> Option<std::path::PathBuf> {
+    (!raw.trim().is_empty()).then(|| std::path::PathBuf::from(raw.trim()))
+}
+
+/// An optional file key shown as it is written in the file: "" when unset.
+pub(crate) fn serialize_optional_path<S: Serializer>(
+    path: &Option<std::path::PathBuf>,
+    s: S,
+) -> Result<S::Ok, S::Error> {
+    match path {
+        Some(path) => s.collect_str(&path.display()),
+        None => s.serialize_str(""),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -169,21 +185,5 @@ mod tests {
             name.to_string(),
             "x.y: may only contain the characters a-z (got \"a b\")"
         );
-    }
-}
-
-/// A file key as written: empty means unset.
-pub(crate) fn optional_path(raw: String) -> Option<std::path::PathBuf> {
-    (!raw.trim().is_empty()).then(|| std::path::PathBuf::from(raw.trim()))
-}
-
-/// An optional file key shown as it is written in the file: "" when unset.
-pub(crate) fn serialize_optional_path<S: Serializer>(
-    path: &Option<std::path::PathBuf>,
-    s: S,
-) -> Result<S::Ok, S::Error> {
-    match path {
-        Some(path) => s.collect_str(&path.display()),
-        None => s.serialize_str(""),
     }
 }

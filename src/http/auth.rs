@@ -381,7 +381,9 @@ mod tests {
             jwt_public_key_file: Some(path),
         };
         let missing = std::env::temp_dir().join("posthorn-auth-test-no-such-key.pem");
-        let error = Authenticator::new(&config(missing), &crate::config::Config::default().server).err().unwrap();
+        let error = Authenticator::new(&config(missing), &crate::config::Config::default().server)
+            .err()
+            .unwrap();
         assert!(
             error.starts_with("auth.jwt_public_key_file: cannot read"),
             "{error}"
@@ -396,7 +398,12 @@ mod tests {
             "-----BEGIN PUBLIC KEY-----\nnope\n-----END PUBLIC KEY-----\n",
         )
         .unwrap();
-        let error = Authenticator::new(&config(path.clone()), &crate::config::Config::default().server).err().unwrap();
+        let error = Authenticator::new(
+            &config(path.clone()),
+            &crate::config::Config::default().server,
+        )
+        .err()
+        .unwrap();
         std::fs::remove_file(&path).unwrap();
         assert!(
             error.contains("neither an RSA nor an EC public key"),

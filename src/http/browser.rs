@@ -175,21 +175,37 @@ mod tests {
             "[::ffff:127.0.0.1]:80",
         ] {
             let request = request(&[("Host", host)]);
-            assert!(strict.check(&request, Access::Stream(&pos)).is_ok(), "{host}");
+            assert!(
+                strict.check(&request, Access::Stream(&pos)).is_ok(),
+                "{host}"
+            );
             assert!(strict.check(&request, Access::Admin).is_ok(), "{host}");
         }
-        for host in ["evil.example:8080", "0.0.0.0:8080", "10.0.0.7:8080", "localhost.evil.example"] {
+        for host in [
+            "evil.example:8080",
+            "0.0.0.0:8080",
+            "10.0.0.7:8080",
+            "localhost.evil.example",
+        ] {
             let request = request(&[("Host", host)]);
             for access in [Access::Stream(&pos), Access::Publish, Access::Admin] {
                 let error = strict.check(&request, access).expect_err(host);
                 assert!(matches!(error, ApiError::Forbidden(_)), "{host}");
             }
         }
-        assert!(lan.check(&request(&[("Host", "10.0.0.7:8080")]), Access::Publish).is_ok());
-        assert!(lan.check(&request(&[("Host", "HUB.internal")]), Access::Publish).is_ok());
-        assert!(lan.check(&request(&[("Host", "evil.example")]), Access::Publish).is_err());
+        assert!(lan
+            .check(&request(&[("Host", "10.0.0.7:8080")]), Access::Publish)
+            .is_ok());
+        assert!(lan
+            .check(&request(&[("Host", "HUB.internal")]), Access::Publish)
+            .is_ok());
+        assert!(lan
+            .check(&request(&[("Host", "evil.example")]), Access::Publish)
+            .is_err());
         let any = guard(&[], &["*"]);
-        assert!(any.check(&request(&[("Host", "evil.example")]), Access::Publish).is_ok());
+        assert!(any
+            .check(&request(&[("Host", "evil.example")]), Access::Publish)
+            .is_ok());
         // No Host at all: not a browser.
         assert!(strict.check(&request(&[]), Access::Admin).is_ok());
     }
@@ -201,7 +217,10 @@ mod tests {
         let strict = guard(&[], &[]);
         let cors = guard(&["https://pos.example"], &[]);
         let pos = DeviceId::parse("pos-1").unwrap();
-        let foreign = request(&[("Host", "127.0.0.1:8080"), ("Origin", "https://evil.example")]);
+        let foreign = request(&[
+            ("Host", "127.0.0.1:8080"),
+            ("Origin", "https://evil.example"),
+        ]);
         for access in [Access::Publish, Access::Admin] {
             assert!(strict.check(&foreign, access).is_err());
             assert!(cors.check(&foreign, access).is_err());
@@ -209,15 +228,26 @@ mod tests {
         assert!(strict.check(&foreign, Access::Stream(&pos)).is_ok());
         let null = request(&[("Host", "127.0.0.1:8080"), ("Origin", "null")]);
         assert!(strict.check(&null, Access::Publish).is_err());
-        let listed = request(&[("Host", "127.0.0.1:8080"), ("Origin", "https://pos.example")]);
+        let listed = request(&[
+            ("Host", "127.0.0.1:8080"),
+            ("Origin", "https://pos.example"),
+        ]);
         assert!(cors.check(&listed, Access::Publish).is_ok());
         assert!(strict.check(&listed, Access::Publish).is_err());
-        let own = request(&[("Host", "127.0.0.1:8080"), ("Origin", "http://127.0.0.1:8080")]);
+        let own = request(&[
+            ("Host", "127.0.0.1:8080"),
+            ("Origin", "http://127.0.0.1:8080"),
+        ]);
         assert!(strict.check(&own, Access::Admin).is_ok());
-        let other_port = request(&[("Host", "127.0.0.1:8080"), ("Origin", "http://127.0.0.1:9999")]);
+        let other_port = request(&[
+            ("Host", "127.0.0.1:8080"),
+            ("Origin", "http://127.0.0.1:9999"),
+        ]);
         assert!(strict.check(&other_port, Access::Admin).is_err());
         assert!(guard(&["*"], &[]).check(&foreign, Access::Publish).is_ok());
         // A producer or curl sends no Origin.
-        assert!(strict.check(&request(&[("Host", "localhost")]), Access::Publish).is_ok());
+        assert!(strict
+            .check(&request(&[("Host", "localhost")]), Access::Publish)
+            .is_ok());
     }
 }

@@ -9,7 +9,7 @@ use std::io;
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 use super::IO_TIMEOUT;
@@ -127,7 +127,10 @@ pub fn parse_head(head: &[u8]) -> io::Result<ResponseHead> {
 /// Reads until the end of a final (non-1xx) response head. `buf` carries
 /// bytes across calls: on return it holds whatever body bytes were read
 /// together with the head.
-pub async fn read_head(stream: &mut TcpStream, buf: &mut Vec<u8>) -> io::Result<ResponseHead> {
+pub async fn read_head(
+    stream: &mut (impl AsyncRead + Unpin),
+    buf: &mut Vec<u8>,
+) -> io::Result<ResponseHead> {
     let mut chunk = [0u8; 4096];
     loop {
         if let Some(end) = find(buf, b"\r\n\r\n") {
@@ -267,45 +270,8 @@ pub async fn try_request(
     timeout: Duration,
 ) -> io::Result<HttpResponse> {
     let exchange = async {
-        let mut stream = TcpStream::connect(addr).await?;
-        // One connection per request keeps tests independent of keep-alive
-        // behaviour and lets "read to EOF" bodies terminate.
-        let mut all_headers = Vec::with_capacity(headers.len() + 1);
-        if !headers
-            .iter()
-            .any(|(n, _)| n.eq_ignore_ascii_case("connection"))
-        {
-            all_headers.push(("Connection", "close"));
-        }
-        all_headers.extend_from_slice(headers);
-        stream
-            .write_all(&encode_request(addr, method, path, &all_headers, body))
-            .await?;
-
-        let mut buf = Vec::new();
-        let head = read_head(&mut stream, &mut buf).await?;
-        let mut framing = BodyFraming::for_response(method, &head)?;
-        let mut body = Vec::new();
-        framing.decode(&buf, &mut body)?;
-        let mut chunk = [0u8; 8192];
-        while !framing.is_complete() {
-            let n = stream.read(&mut chunk).await?;
-            if n == 0 {
-                if matches!(framing, BodyFraming::UntilEof) {
-                    break;
-                }
-                return Err(io::Error::new(
-                    io::ErrorKind::UnexpectedEof,
-                    format!("connection closed mid-body ({framing:?})"),
-                ));
-            }
-            framing.decode(&chunk[..n], &mut body)?;
-        }
-        Ok(HttpResponse {
-            status: head.status,
-            headers: head.headers,
-            body,
-        })
+        let stream = TcpStream::connect(addr).await?;
+        exchange(stream, addr, method, path, headers, body).await
     };
     tokio::time::timeout(timeout, exchange)
         .await
@@ -315,6 +281,55 @@ pub async fn try_request(
                 format!("{method} {path} on {addr}: no complete response within {timeout:?}"),
             ))
         })
+}
+
+/// One request and its whole response on `stream` (plain or TLS), closed after it.
+pub async fn exchange(
+    mut stream: impl AsyncRead + AsyncWrite + Unpin,
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: Option<&[u8]>,
+) -> io::Result<HttpResponse> {
+    // One connection per request keeps tests independent of keep-alive
+    // behaviour and lets "read to EOF" bodies terminate.
+    let mut all_headers = Vec::with_capacity(headers.len() + 1);
+    if !headers
+        .iter()
+        .any(|(n, _)| n.eq_ignore_ascii_case("connection"))
+    {
+        all_headers.push(("Connection", "close"));
+    }
+    all_headers.extend_from_slice(headers);
+    stream
+        .write_all(&encode_request(addr, method, path, &all_headers, body))
+        .await?;
+
+    let mut buf = Vec::new();
+    let head = read_head(&mut stream, &mut buf).await?;
+    let mut framing = BodyFraming::for_response(method, &head)?;
+    let mut body = Vec::new();
+    framing.decode(&buf, &mut body)?;
+    let mut chunk = [0u8; 8192];
+    while !framing.is_complete() {
+        let n = stream.read(&mut chunk).await?;
+        if n == 0 {
+            if matches!(framing, BodyFraming::UntilEof) {
+                break;
+            }
+            return Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                format!("connection closed mid-body ({framing:?})"),
+            ));
+        }
+        framing.decode(&chunk[..n], &mut body)?;
+    }
+    Ok(HttpResponse {
+        status: head.status,
+        headers: head.headers,
+        body,
+    })
 }
 
 /// Like [`try_request`] with the harness timeout, panicking on any failure.

@@ -48,9 +48,27 @@ pub struct HubBuilder {
     port: Option<u16>,
     ready_timeout: Duration,
     open_files_limit: Option<u64>,
+    /// Serve HTTPS: readiness is probed over TLS trusting this CA file.
+    https_ca: Option<PathBuf>,
 }
 
 impl HubBuilder {
+    /// Serves HTTPS with `cert` (server.tls_cert_file / tls_key_file); the harness trusts
+    /// `ca_file` to probe readiness.
+    pub fn https(self, cert: &super::tls::CertFiles, ca_file: &Path) -> Self {
+        let mut builder = self
+            .env(
+                "POSTHORN_SERVER__TLS_CERT_FILE",
+                cert.cert.to_str().expect("utf-8 path"),
+            )
+            .env(
+                "POSTHORN_SERVER__TLS_KEY_FILE",
+                cert.key.to_str().expect("utf-8 path"),
+            );
+        builder.https_ca = Some(ca_file.to_path_buf());
+        builder
+    }
+
     pub fn env(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
         self.envs.push((key.into(), value.into()));
         self
@@ -186,6 +204,7 @@ impl HubBuilder {
             addr,
             log_path,
             exit: None,
+            https_ca: self.https_ca.clone(),
         }
     }
 }
@@ -212,6 +231,8 @@ pub struct Hub {
     /// Cached once reaped: after that the pid may belong to someone else,
     /// so it must never be signalled again.
     exit: Option<ExitStatus>,
+    /// Set when the hub serves HTTPS: the CA its certificate comes from.
+    https_ca: Option<PathBuf>,
 }
 
 impl Hub {
@@ -222,6 +243,7 @@ impl Hub {
             port: None,
             ready_timeout: READY_TIMEOUT,
             open_files_limit: None,
+            https_ca: None,
         }
     }
 
@@ -234,7 +256,12 @@ impl Hub {
     }
 
     pub fn base_url(&self) -> String {
-        format!("http://{}", self.addr)
+        let scheme = if self.https_ca.is_some() {
+            "https"
+        } else {
+            "http"
+        };
+        format!("{scheme}://{}", self.addr)
     }
 
     pub fn url(&self, path: &str) -> String {
@@ -347,15 +374,31 @@ impl Hub {
                     stderr: self.stderr_log(),
                 });
             }
-            let probe = http::try_request(
-                self.addr,
-                "GET",
-                "/healthz",
-                &[],
-                None,
-                Duration::from_secs(1),
-            )
-            .await;
+            let probe = match &self.https_ca {
+                None => {
+                    http::try_request(
+                        self.addr,
+                        "GET",
+                        "/healthz",
+                        &[],
+                        None,
+                        Duration::from_secs(1),
+                    )
+                    .await
+                }
+                Some(ca) => {
+                    super::tls::try_https_request(
+                        self.addr,
+                        ca,
+                        "GET",
+                        "/healthz",
+                        &[],
+                        None,
+                        Duration::from_secs(1),
+                    )
+                    .await
+                }
+            };
             if matches!(probe, Ok(ref r) if r.status == 200) {
                 return Ok(());
             }

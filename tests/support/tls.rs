@@ -4,12 +4,20 @@
 //!
 //! A second, unrelated [`TestPki`] is the CA a client must refuse.
 
-use std::path::{Path, PathBuf};
+use std::{
+    io,
+    net::SocketAddr,
+    path::{Path, PathBuf},
+    sync::Arc,
+    time::Duration,
+};
 
 use rcgen::{
     BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
     KeyUsagePurpose,
 };
+
+use super::http::{self, HttpResponse};
 
 /// The names every server certificate of the harness is valid for: servers listen on loopback.
 pub const LOOPBACK_NAMES: [&str; 3] = ["localhost", "127.0.0.1", "::1"];
@@ -79,9 +87,10 @@ impl TestPki {
         let mut params =
             CertificateParams::new(names.iter().map(|n| n.to_string()).collect::<Vec<_>>())
                 .expect("server params");
-        params
-            .distinguished_name
-            .push(DnType::CommonName, names.first().copied().unwrap_or("server"));
+        params.distinguished_name.push(
+            DnType::CommonName,
+            names.first().copied().unwrap_or("server"),
+        );
         params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
         self.issue("server", params)
     }
@@ -104,7 +113,9 @@ impl TestPki {
                 .collect::<Vec<_>>(),
         )
         .expect("peer params");
-        params.distinguished_name.push(DnType::CommonName, "localhost");
+        params
+            .distinguished_name
+            .push(DnType::CommonName, "localhost");
         params.extended_key_usages = vec![
             ExtendedKeyUsagePurpose::ServerAuth,
             ExtendedKeyUsagePurpose::ClientAuth,
@@ -131,4 +142,77 @@ impl Drop for TestPki {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.dir);
     }
+}
+
+/// A TLS client that trusts only the CA in `ca_file`.
+pub fn connector(ca_file: &Path) -> tokio_rustls::TlsConnector {
+    let mut roots = rustls::RootCertStore::empty();
+    use rustls::pki_types::pem::PemObject;
+    for cert in rustls::pki_types::CertificateDer::pem_file_iter(ca_file).expect("read CA") {
+        roots.add(cert.expect("CA PEM")).expect("add CA");
+    }
+    let config = rustls::ClientConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .expect("protocol versions")
+    .with_root_certificates(roots)
+    .with_no_client_auth();
+    tokio_rustls::TlsConnector::from(Arc::new(config))
+}
+
+/// A TLS connection to `addr` (a loopback address the certificates name), verified with `ca_file`.
+pub async fn connect(
+    addr: SocketAddr,
+    ca_file: &Path,
+) -> io::Result<tokio_rustls::client::TlsStream<tokio::net::TcpStream>> {
+    let tcp = tokio::net::TcpStream::connect(addr).await?;
+    let name = rustls::pki_types::ServerName::IpAddress(addr.ip().into());
+    connector(ca_file).connect(name, tcp).await
+}
+
+/// [`http::try_request`] over TLS.
+pub async fn try_https_request(
+    addr: SocketAddr,
+    ca_file: &Path,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: Option<&[u8]>,
+    timeout: Duration,
+) -> io::Result<HttpResponse> {
+    let exchange = async {
+        let stream = connect(addr, ca_file).await?;
+        http::exchange(stream, addr, method, path, headers, body).await
+    };
+    tokio::time::timeout(timeout, exchange)
+        .await
+        .unwrap_or_else(|_| {
+            Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "no answer over TLS",
+            ))
+        })
+}
+
+/// [`try_https_request`] with the harness timeout, panicking on failure.
+pub async fn https_request(
+    addr: SocketAddr,
+    ca_file: &Path,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: Option<&[u8]>,
+) -> HttpResponse {
+    try_https_request(
+        addr,
+        ca_file,
+        method,
+        path,
+        headers,
+        body,
+        super::IO_TIMEOUT,
+    )
+    .await
+    .unwrap_or_else(|e| panic!("HTTPS {method} {path} to {addr} failed: {e}"))
 }
