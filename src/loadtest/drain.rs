@@ -58,7 +58,11 @@ pub async fn run(run: &Run, args: &DrainArgs) -> Result<(), LoadtestError> {
         return Err(LoadtestError::Usage("--trigger signal needs --pid".into()));
     }
     let reconnect = match &args.reconnect_url {
-        Some(url) => Some(Endpoint::parse(url, !run.endpoint.addr.ip().is_loopback())?),
+        Some(url) => Some(Endpoint::parse(
+            url,
+            !run.endpoint.addr.ip().is_loopback(),
+            &run.tls,
+        )?),
         None => None,
     };
     let n = run.devices.len();
@@ -83,7 +87,7 @@ pub async fn run(run: &Run, args: &DrainArgs) -> Result<(), LoadtestError> {
     let begun = *started.get_or_init(Instant::now);
     match args.trigger {
         Trigger::Admin => {
-            let mut stream = wire::connect(run.endpoint.addr, None, None)
+            let mut stream = wire::open(&run.endpoint, None, None)
                 .await
                 .map_err(failed("cannot reach the admin endpoint"))?;
             let request = format!(

@@ -108,6 +108,57 @@ pub struct Common {
     /// Load tool threads.
     #[arg(long, default_value_t = 2)]
     pub threads: usize,
+    #[command(flatten)]
+    pub tls: TlsArgs,
+}
+
+/// TLS to the server under test: an `https://` URL, or `--tls` with an `http://` one.
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct TlsArgs {
+    /// Connect with TLS (as an https:// URL does). Every connection makes a full handshake: a
+    /// storm lands on pods that never saw its clients, so there is no session to resume.
+    #[arg(long)]
+    pub tls: bool,
+    /// Trust the certificate authorities in this PEM file instead of the system's.
+    #[arg(long, value_name = "FILE")]
+    pub ca_file: Option<PathBuf>,
+}
+
+/// What a TLS connection to the server needs: the connector and the name its certificate bears.
+#[derive(Clone)]
+pub struct TlsClient {
+    pub connector: tokio_rustls::TlsConnector,
+    pub name: rustls::pki_types::ServerName<'static>,
+}
+
+impl std::fmt::Debug for TlsClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TlsClient").field("name", &self.name).finish()
+    }
+}
+
+impl TlsClient {
+    fn new(host: &str, args: &TlsArgs) -> Result<Self, String> {
+        let name = host
+            .rsplit_once(':')
+            .filter(|(_, port)| port.parse::<u16>().is_ok())
+            .map_or(host, |(name, _)| name)
+            .trim_start_matches('[')
+            .trim_end_matches(']');
+        let name = rustls::pki_types::ServerName::try_from(name.to_string())
+            .map_err(|error| format!("{name:?} cannot be a TLS server name: {error}"))?;
+        let mut config = crate::tls::ClientTls {
+            ca_file: args.ca_file.as_deref(),
+            identity: None,
+        }
+        .config()
+        .map_err(|error| crate::report::Report(&error).to_string())?;
+        config.resumption = rustls::client::Resumption::disabled();
+        Ok(Self {
+            connector: tokio_rustls::TlsConnector::from(std::sync::Arc::new(config)),
+            name,
+        })
+    }
 }
 
 /// Where events are published (fanout, slow, idle's fill).
@@ -158,25 +209,34 @@ fn parse_duration(text: &str) -> Result<Duration, String> {
         .ok_or_else(|| format!("invalid duration {text:?} (e.g. 500ms, 20s, 1m)"))
 }
 
-/// A resolved `http://host:port` target.
+/// A resolved `http://host:port` or `https://host:port` target.
 #[derive(Debug, Clone)]
 pub struct Endpoint {
     pub addr: SocketAddr,
     /// The `Host` header.
     pub host: String,
+    pub tls: Option<TlsClient>,
 }
 
 impl Endpoint {
-    fn parse(url: &str, allow_remote: bool) -> Result<Self, LoadtestError> {
+    fn parse(url: &str, allow_remote: bool, tls: &TlsArgs) -> Result<Self, LoadtestError> {
         let usage = |why: &str| LoadtestError::Usage(format!("{url:?}: {why}"));
-        let rest = url
-            .strip_prefix("http://")
-            .ok_or_else(|| usage("only http:// URLs"))?;
+        let (https, rest) = match url.split_once("://") {
+            Some(("http", rest)) => (tls.tls, rest),
+            Some(("https", rest)) => (true, rest),
+            _ => return Err(usage("only http:// and https:// URLs")),
+        };
         let host = rest.split('/').next().unwrap_or(rest);
         if rest.len() > host.len() + 1 {
             return Err(usage("give the base URL without a path"));
         }
-        Self::resolve(host, 80, allow_remote).map_err(|why| usage(&why))
+        let default_port = if https { 443 } else { 80 };
+        let mut endpoint =
+            Self::resolve(host, default_port, allow_remote).map_err(|why| usage(&why))?;
+        if https {
+            endpoint.tls = Some(TlsClient::new(host, tls).map_err(|why| usage(&why))?);
+        }
+        Ok(endpoint)
     }
 
     fn resolve(host: &str, default_port: u16, allow_remote: bool) -> Result<Self, String> {
@@ -202,6 +262,7 @@ impl Endpoint {
         Ok(Self {
             addr,
             host: host.to_string(),
+            tls: None,
         })
     }
 }
@@ -210,6 +271,8 @@ impl Endpoint {
 pub struct Run {
     pub peer: Peer,
     pub endpoint: Endpoint,
+    /// For the other URLs of a run (publish, drain).
+    pub tls: TlsArgs,
     pub devices: Vec<String>,
     sources: Vec<IpAddr>,
     pub server: probe::Server,
@@ -224,7 +287,7 @@ impl Run {
                 "--connections must be 1..={MAX_CONNECTIONS}"
             )));
         }
-        let endpoint = Endpoint::parse(&common.url, common.allow_remote)?;
+        let endpoint = Endpoint::parse(&common.url, common.allow_remote, &common.tls)?;
         // Source addresses other than 127.0.0.1 only reach a loopback target.
         let sources = match endpoint.addr.ip() {
             IpAddr::V4(ip) if ip.is_loopback() => {
@@ -252,6 +315,7 @@ impl Run {
                 .map(|i| format!("{}-{i}", common.device_prefix))
                 .collect(),
             endpoint,
+            tls: common.tls.clone(),
             sources,
             server,
             connect_concurrency: common.connect_concurrency.max(1),
@@ -330,7 +394,7 @@ impl Run {
         let allow_remote = !self.endpoint.addr.ip().is_loopback();
         Ok(match options.publish_via {
             PublishVia::Http => publisher::Route::Http(match &options.publish_url {
-                Some(url) => Endpoint::parse(url, allow_remote)?,
+                Some(url) => Endpoint::parse(url, allow_remote, &self.tls)?,
                 None => self.endpoint.clone(),
             }),
             PublishVia::Redis => publisher::Route::Redis {
@@ -484,21 +548,39 @@ fn check_events(total: u64) -> Result<(), LoadtestError> {
 mod tests {
     use super::*;
 
+    fn parse(url: &str, allow_remote: bool) -> Result<Endpoint, LoadtestError> {
+        Endpoint::parse(url, allow_remote, &TlsArgs::default())
+    }
+
     #[test]
     fn remote_targets_need_the_flag() {
-        assert!(Endpoint::parse("http://127.0.0.1:8080", false).is_ok());
-        assert!(Endpoint::parse("http://127.0.0.9:80", false).is_ok());
-        let error = Endpoint::parse("http://10.1.2.3:8080", false).unwrap_err();
+        assert!(parse("http://127.0.0.1:8080", false).is_ok());
+        assert!(parse("http://127.0.0.9:80", false).is_ok());
+        let error = parse("http://10.1.2.3:8080", false).unwrap_err();
         assert!(error.to_string().contains("--allow-remote"), "{error}");
-        assert!(Endpoint::parse("http://10.1.2.3:8080", true).is_ok());
-        assert!(Endpoint::parse("https://127.0.0.1", false).is_err());
-        assert!(Endpoint::parse("http://127.0.0.1:8080/x", false).is_err());
-        assert_eq!(
-            Endpoint::parse("http://127.0.0.1", false)
-                .unwrap()
-                .addr
-                .port(),
-            80
-        );
+        assert!(parse("http://10.1.2.3:8080", true).is_ok());
+        assert!(parse("ftp://127.0.0.1", false).is_err());
+        assert!(parse("http://127.0.0.1:8080/x", false).is_err());
+        assert_eq!(parse("http://127.0.0.1", false).unwrap().addr.port(), 80);
+    }
+
+    /// https:// (or --tls) targets connect with TLS to the name of the URL, port 443 by default.
+    #[test]
+    fn tls_targets() {
+        let plain = parse("http://127.0.0.1:8080", false).unwrap();
+        assert!(plain.tls.is_none());
+        let https = parse("https://127.0.0.1", false).unwrap();
+        assert_eq!(https.addr.port(), 443);
+        assert_eq!(https.tls.unwrap().name.to_str(), "127.0.0.1");
+        let forced = Endpoint::parse(
+            "http://localhost:8443",
+            false,
+            &TlsArgs {
+                tls: true,
+                ca_file: None,
+            },
+        )
+        .unwrap();
+        assert_eq!(forced.tls.unwrap().name.to_str(), "localhost");
     }
 }

@@ -104,7 +104,7 @@ fn process_cpu_seconds(pid: u32) -> Option<f64> {
 
 /// The value of a metric without labels from posthorn's `/metrics`.
 pub async fn metric(endpoint: &Endpoint, name: &str) -> Option<f64> {
-    let mut stream = wire::connect(endpoint.addr, None, None).await.ok()?;
+    let mut stream = wire::open(endpoint, None, None).await.ok()?;
     let request = format!(
         "GET /metrics HTTP/1.1\r\nHost: {}\r\nConnection: close\r\n\r\n",
         endpoint.host

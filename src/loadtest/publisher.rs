@@ -5,7 +5,7 @@
 
 use std::io;
 
-use tokio::{io::AsyncWriteExt, net::TcpStream};
+use tokio::io::AsyncWriteExt;
 
 use super::{wire, Endpoint, Peer};
 
@@ -32,7 +32,7 @@ pub enum Publisher {
 
 pub struct Connection {
     endpoint: Endpoint,
-    stream: TcpStream,
+    stream: wire::Conn,
     buf: Vec<u8>,
 }
 
@@ -40,7 +40,7 @@ impl Connection {
     async fn open(endpoint: &Endpoint) -> io::Result<Self> {
         Ok(Self {
             endpoint: endpoint.clone(),
-            stream: wire::connect(endpoint.addr, None, None).await?,
+            stream: wire::open(endpoint, None, None).await?,
             buf: Vec::new(),
         })
     }

@@ -1,6 +1,8 @@
 //! `storm`: the reconnect storm after a pod went away. N clients connect, receive one broadcast
 //! (so each holds a real cursor), disconnect, and then all reconnect at the same moment with
-//! `Last-Event-ID`. Reports accepted connections per second, connect times and failures.
+//! `Last-Event-ID`. Reports accepted connections per second, connect times and failures. With
+//! TLS (`--tls` or an `https://` URL) every reconnect is a full handshake, and the negotiated
+//! protocol, suite and key exchange are reported.
 
 use std::time::Duration;
 
@@ -72,6 +74,12 @@ pub async fn run(run: &Run, args: &StormArgs) -> Result<(), LoadtestError> {
         }
     );
     println!("storm: {cpu}");
+    let tls = accepted
+        .first()
+        .and_then(|stream: &super::wire::SseStream| stream.stream.tls_parameters());
+    if let Some(tls) = &tls {
+        println!("storm: every connection made a full TLS handshake ({tls})");
+    }
     emit(json!({
         "scenario": "storm",
         "peer": run.peer,
@@ -83,6 +91,7 @@ pub async fn run(run: &Run, args: &StormArgs) -> Result<(), LoadtestError> {
         "accepted_per_second": rate,
         "time_to_accept": connect,
         "cpu": cpu,
+        "tls": tls,
     }));
     Ok(())
 }

@@ -7,12 +7,15 @@
 use std::{
     io,
     net::{IpAddr, SocketAddr},
+    pin::Pin,
+    task::{Context, Poll},
 };
 
 use tokio::{
-    io::{AsyncReadExt, AsyncWriteExt},
+    io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf},
     net::{TcpSocket, TcpStream},
 };
+use tokio_rustls::client::TlsStream;
 
 use super::{payload, Endpoint};
 use posthorn_client::{
@@ -48,6 +51,90 @@ pub async fn connect(
     Ok(stream)
 }
 
+/// A connection to the server under test: plain TCP, or TLS over it (an `https://` target).
+pub enum Conn {
+    Plain(TcpStream),
+    Tls(Box<TlsStream<TcpStream>>),
+}
+
+/// Connects to `endpoint` from `source`, with the TLS handshake when the endpoint asks for it.
+pub async fn open(
+    endpoint: &Endpoint,
+    source: Option<IpAddr>,
+    receive_buffer: Option<u32>,
+) -> io::Result<Conn> {
+    let stream = connect(endpoint.addr, source, receive_buffer).await?;
+    match &endpoint.tls {
+        None => Ok(Conn::Plain(stream)),
+        Some(tls) => Ok(Conn::Tls(Box::new(
+            tls.connector.connect(tls.name.clone(), stream).await?,
+        ))),
+    }
+}
+
+impl Conn {
+    pub fn tcp(&self) -> &TcpStream {
+        match self {
+            Conn::Plain(stream) => stream,
+            Conn::Tls(stream) => stream.get_ref().0,
+        }
+    }
+
+    /// The TLS 1.3 or 1.2 suite and key exchange this connection negotiated, for the record.
+    pub fn tls_parameters(&self) -> Option<String> {
+        let Conn::Tls(stream) = self else {
+            return None;
+        };
+        let session = stream.get_ref().1;
+        Some(format!(
+            "{:?} {:?} {:?}",
+            session.protocol_version()?,
+            session.negotiated_cipher_suite()?.suite(),
+            session.negotiated_key_exchange_group()?.name(),
+        ))
+    }
+}
+
+impl AsyncRead for Conn {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Conn::Plain(stream) => Pin::new(stream).poll_read(cx, buf),
+            Conn::Tls(stream) => Pin::new(stream.as_mut()).poll_read(cx, buf),
+        }
+    }
+}
+
+impl AsyncWrite for Conn {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        match self.get_mut() {
+            Conn::Plain(stream) => Pin::new(stream).poll_write(cx, buf),
+            Conn::Tls(stream) => Pin::new(stream.as_mut()).poll_write(cx, buf),
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Conn::Plain(stream) => Pin::new(stream).poll_flush(cx),
+            Conn::Tls(stream) => Pin::new(stream.as_mut()).poll_flush(cx),
+        }
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Conn::Plain(stream) => Pin::new(stream).poll_shutdown(cx),
+            Conn::Tls(stream) => Pin::new(stream.as_mut()).poll_shutdown(cx),
+        }
+    }
+}
+
 /// Lets the kernel pick the source port at `connect` (`IP_BIND_ADDRESS_NO_PORT`), where only the
 /// whole 4-tuple must be unique. A `bind` to port 0 must instead find a port unused by every
 /// socket of that address, TIME_WAIT ones included: right after thousands of connections closed
@@ -78,8 +165,9 @@ const TCP_ESTABLISHED: u8 = 1;
 
 /// Whether the kernel still holds the connection as established. A client that never reads
 /// learns of the server closing (or resetting) its stream only this way.
-pub fn established(stream: &TcpStream) -> bool {
+pub fn established(conn: &Conn) -> bool {
     use std::os::fd::AsRawFd;
+    let stream = conn.tcp();
     // SAFETY: tcp_info is plain data; getsockopt writes at most `length` bytes into it.
     unsafe {
         let mut info: libc::tcp_info = std::mem::zeroed();
@@ -104,7 +192,7 @@ pub struct Head {
 }
 
 /// Reads a response head; bytes after it stay in `buf`.
-pub async fn read_head(stream: &mut TcpStream, buf: &mut Vec<u8>) -> io::Result<Head> {
+pub async fn read_head(stream: &mut Conn, buf: &mut Vec<u8>) -> io::Result<Head> {
     loop {
         if let Some(end) = memchr::memmem::find(buf, b"\r\n\r\n") {
             let head = parse_head(&buf[..end])?;
@@ -153,7 +241,7 @@ fn invalid(message: &str) -> io::Error {
 /// Sends one request and reads the whole response (keep-alive connections of publishers and
 /// the admin calls). Returns status and body.
 pub async fn request(
-    stream: &mut TcpStream,
+    stream: &mut Conn,
     buf: &mut Vec<u8>,
     raw_request: &[u8],
 ) -> io::Result<(u16, Vec<u8>)> {
@@ -163,7 +251,7 @@ pub async fn request(
 
 /// Reads one complete response with a `Content-Length` or chunked body.
 pub async fn read_response(
-    stream: &mut TcpStream,
+    stream: &mut Conn,
     buf: &mut Vec<u8>,
 ) -> io::Result<(u16, Vec<u8>)> {
     let head = read_head(stream, buf).await?;
@@ -190,7 +278,7 @@ pub async fn read_response(
 }
 
 /// Appends one read to `buf`; the end of the stream is an error that says where it happened.
-async fn fill(stream: &mut TcpStream, buf: &mut Vec<u8>, eof: &'static str) -> io::Result<()> {
+async fn fill(stream: &mut Conn, buf: &mut Vec<u8>, eof: &'static str) -> io::Result<()> {
     let mut chunk = [0u8; 4096];
     let n = stream.read(&mut chunk).await?;
     if n == 0 {
@@ -216,7 +304,7 @@ pub struct SseCounters {
 /// An SSE stream after its response head: a body decoder and a field parser that keeps only
 /// what the scenarios need.
 pub struct SseStream {
-    pub stream: TcpStream,
+    pub stream: Conn,
     pending: Vec<u8>,
     dechunk: Option<Dechunk>,
     lines: Lines,
@@ -239,7 +327,7 @@ pub async fn open_sse(
     last_event_id: Option<&str>,
     receive_buffer: Option<u32>,
 ) -> io::Result<SseStream> {
-    let mut stream = connect(endpoint.addr, source, receive_buffer).await?;
+    let mut stream = open(endpoint, source, receive_buffer).await?;
     let mut request = format!(
         "GET {path} HTTP/1.1\r\nHost: {}\r\nAccept: text/event-stream\r\n",
         endpoint.host
