@@ -157,6 +157,22 @@ async fn tls_with_a_private_ca() {
     );
 }
 
+/// With a TLS file configured the hub requires TLS: a server that does not offer it is refused
+/// instead of being spoken to in plain text.
+#[tokio::test]
+async fn a_plain_server_is_refused_when_tls_is_configured() {
+    let pki = TestPki::new("posthorn test CA");
+    let Some(nats) = NatsServer::start().await else {
+        return;
+    };
+    let log = start_up_fails(
+        nats_hub(&nats.url()).env("POSTHORN_NATS__TLS_CA_FILE", path_str(pki.ca_file())),
+    )
+    .await;
+    assert!(log.contains("nats: cannot connect to"), "{log}");
+    assert!(!log.contains("nats: connected"), "{log}");
+}
+
 /// (b) A server that verifies clients (`verify: true`): without a client certificate the hub
 /// stops at start-up saying it could not connect; with one signed by the CA it works.
 #[tokio::test]
