@@ -17,7 +17,7 @@ use crate::{
     },
     backend::{
         memory::MemorySettings,
-        nats::{NatsBackend, NatsSettings},
+        nats::{NatsAccess, NatsBackend, NatsSettings},
         redis::{RedisBackend, RedisSettings},
         Backend, BackendError, MemoryBackend,
     },
@@ -26,6 +26,7 @@ use crate::{
     metrics::Metrics,
     pod::PodState,
     replay::Replayer,
+    report::Report,
 };
 
 #[derive(Debug, Error)]
@@ -101,14 +102,23 @@ pub async fn build_backend(config: &Config) -> Result<Arc<dyn Backend>, ServeErr
                 .map_err(ServeError::Backend)?,
             )
         }
-        BackendChoice::Nats(nats) => Arc::new(
-            NatsBackend::connect(NatsSettings {
-                nats: nats.clone(),
-                dedupe_window,
-            })
-            .await
-            .map_err(ServeError::Backend)?,
-        ),
+        BackendChoice::Nats(nats) => {
+            // A TLS or credentials file that cannot be used is a configuration error (exit 64),
+            // found before anything connects.
+            let access = NatsAccess::load(nats)
+                .map_err(|error| ServeError::Unservable(Report(&error).to_string()))?;
+            Arc::new(
+                NatsBackend::connect(
+                    NatsSettings {
+                        nats: nats.clone(),
+                        dedupe_window,
+                    },
+                    access,
+                )
+                .await
+                .map_err(ServeError::Backend)?,
+            )
+        }
     })
 }
 

@@ -237,11 +237,16 @@ async fn publish_events_total_has_help_after_a_publish() {
 async fn admin_status_reports_state_without_secrets() {
     const SECRET: &str = "s3cr3t-jwt-value-do-not-show";
     const PASSWORD: &str = "hunter2-redis-password";
+    const NATS_PASSWORD: &str = "hunter3-nats-password";
     let hub = Hub::builder()
         .env("POSTHORN_AUTH__JWT_SECRET", SECRET)
         .env(
             "POSTHORN_REDIS__URL",
             format!("redis://admin:{PASSWORD}@127.0.0.1:6379"),
+        )
+        .env(
+            "POSTHORN_NATS__URL",
+            format!("nats://hub:{NATS_PASSWORD}@127.0.0.1:4222"),
         )
         .start()
         .await;
@@ -302,6 +307,10 @@ async fn admin_status_reports_state_without_secrets() {
     let text = resp.text();
     assert!(!text.contains(SECRET), "JWT secret leaked: {text}");
     assert!(!text.contains(PASSWORD), "Redis password leaked: {text}");
+    assert!(
+        !text.contains(NATS_PASSWORD),
+        "NATS password leaked: {text}"
+    );
 }
 
 /// `POST /admin/drain?exit=false` drains without exiting: readiness and new streams answer 503

@@ -44,7 +44,7 @@ use error::invalid;
 pub use error::{ConfigError, KeyOrigin};
 pub use limits::LimitsConfig;
 pub use memory::MemoryConfig;
-pub use nats::NatsConfig;
+pub use nats::{NatsConfig, NatsCredentials};
 pub use publish::PublishConfig;
 use raw::RawConfig;
 pub use redis::RedisConfig;
@@ -463,6 +463,14 @@ mod tests {
             ("[memory]\nshards = 0\n", "memory.shards: "),
             ("[nats]\nstream = \"a.b\"\n", "nats.stream: "),
             ("[nats]\nsubject_prefix = \"\"\n", "nats.subject_prefix: "),
+            (
+                "[nats]\ntls_key_file = \"/k.pem\"\n",
+                "nats.tls_cert_file: ",
+            ),
+            (
+                "[nats]\ncreds_file = \"/a\"\ntoken_file = \"/b\"\n",
+                "nats.creds_file: ",
+            ),
             ("[sse]\nheartbeat = \"50ms\"\n", "sse.heartbeat: "),
             ("[sse]\nsend_buffer = 100\n", "sse.send_buffer: "),
             ("[drain]\ngrace = \"0s\"\n", "drain.grace: "),
@@ -509,8 +517,9 @@ mod tests {
     }
 
     /// A configuration that sets every key of every section (all but `redis.cluster`,
-    /// `auth.jwt_secret_file` and `auth.jwt_public_key_file` away from their defaults), with a
-    /// JWT secret and passwords in the URLs.
+    /// `auth.jwt_secret_file`, `auth.jwt_public_key_file` and the NATS credentials keys away
+    /// from their defaults: the NATS URL carries a password, which no credentials key may join),
+    /// with a JWT secret and passwords in the URLs.
     const EVERY_KEY_SET: &str = r#"
 [server]
 listen = "0.0.0.0:9090"
@@ -544,6 +553,14 @@ subject_prefix = "a.b"
 retention = "30m"
 shards = 16
 replicas = 3
+tls_ca_file = "/etc/posthorn/nats-ca.pem"
+tls_cert_file = "/etc/posthorn/nats.pem"
+tls_key_file = "/etc/posthorn/nats-key.pem"
+creds_file = ""
+nkey_seed_file = ""
+user = ""
+password_file = ""
+token_file = ""
 [sse]
 queue_limit = 10
 heartbeat = "250ms"
@@ -610,6 +627,14 @@ cache_entries = 0
                 "retention": "30m",
                 "shards": 16,
                 "replicas": 3,
+                "tls_ca_file": "/etc/posthorn/nats-ca.pem",
+                "tls_cert_file": "/etc/posthorn/nats.pem",
+                "tls_key_file": "/etc/posthorn/nats-key.pem",
+                "creds_file": "",
+                "nkey_seed_file": "",
+                "user": "",
+                "password_file": "",
+                "token_file": "",
             },
             "sse": {
                 "queue_limit": 10,

@@ -127,6 +127,14 @@ pub struct RawNats {
     pub retention: String,
     pub shards: i64,
     pub replicas: i64,
+    pub tls_ca_file: String,
+    pub tls_cert_file: String,
+    pub tls_key_file: String,
+    pub creds_file: String,
+    pub nkey_seed_file: String,
+    pub user: String,
+    pub password_file: String,
+    pub token_file: String,
 }
 
 impl Default for RawNats {
@@ -138,6 +146,14 @@ impl Default for RawNats {
             retention: "15m".into(),
             shards: 64,
             replicas: 1,
+            tls_ca_file: String::new(),
+            tls_cert_file: String::new(),
+            tls_key_file: String::new(),
+            creds_file: String::new(),
+            nkey_seed_file: String::new(),
+            user: String::new(),
+            password_file: String::new(),
+            token_file: String::new(),
         }
     }
 }

@@ -102,6 +102,11 @@ impl RedactedUrl {
     pub fn redacted(&self) -> String {
         redact_url(&self.0)
     }
+
+    /// Whether the URL carries a user, a password or a token.
+    pub fn has_user_info(&self) -> bool {
+        self.redacted() != self.0
+    }
 }
 
 impl fmt::Debug for RedactedUrl {

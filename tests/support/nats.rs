@@ -12,7 +12,10 @@
 //! test returns early after saying so on stderr.
 //!
 //! The nodes of a [`super::nats_cluster::NatsCluster`] are `NatsServer`s too, started from a
-//! configuration file instead of flags.
+//! configuration file instead of flags; so is a server made by [`NatsServer::builder`] with TLS
+//! (`tls {}`) or authentication (`authorization {}`, `accounts {}`, operator mode) configured.
+//! Plain clients cannot probe those, so they count as ready once their log says "Server is
+//! ready" (JetStream starts before the client port opens).
 
 use std::fs::OpenOptions;
 use std::net::{Ipv4Addr, SocketAddr};
@@ -23,6 +26,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use super::free_port;
+use super::tls::CertFiles;
 
 const SERVER_BIN: &str = "nats-server";
 /// Loading a store is fast on loopback; this only guards against a wedged process.
@@ -34,6 +38,8 @@ const LOG_TAIL_BYTES: usize = 32 * 1024;
 /// Attempts when a port from [`free_port`] was taken in the meantime.
 const PORT_ATTEMPTS: usize = 3;
 const KEEP_LOGS_VAR: &str = "POSTHORN_TEST_KEEP_LOGS";
+/// What nats-server logs once it accepts clients (after JetStream has started).
+const READY_LINE: &str = "Server is ready";
 
 /// A `nats-server -js` process. Dropping it SIGKILLs and reaps the process and removes its
 /// directory.
@@ -50,6 +56,79 @@ pub struct NatsServer {
     /// `nats-server -c` this file instead of the standalone flags (cluster nodes, whose file
     /// sets the port and store directory).
     config: Option<PathBuf>,
+    /// How readiness is seen: `None` probes with a plain client; `Some(n)` waits for more than
+    /// `n` "Server is ready" lines in the log (servers that want TLS or credentials).
+    ready_lines: Option<usize>,
+}
+
+/// A single `nats-server` with JetStream on loopback, configured from a file: TLS and
+/// authentication blocks as a test writes them.
+#[derive(Debug, Clone, Default)]
+pub struct NatsServerBuilder {
+    blocks: Vec<String>,
+}
+
+impl NatsServerBuilder {
+    /// `tls {}`: the server presents `cert`, and with `verify` requires a client certificate
+    /// signed by `ca_file` (mutual TLS). Every client must then speak TLS.
+    pub fn tls(mut self, cert: &CertFiles, ca_file: &Path, verify: bool) -> Self {
+        self.blocks.push(format!(
+            "tls {{\n  cert_file: {:?}\n  key_file: {:?}\n  ca_file: {:?}\n  verify: {verify}\n  timeout: 5\n}}\n",
+            cert.cert.display().to_string(),
+            cert.key.display().to_string(),
+            ca_file.display().to_string(),
+        ));
+        self
+    }
+
+    /// Configuration text added as written: `authorization {}`, `accounts {}`, `operator`,
+    /// `resolver`, ...
+    pub fn config(mut self, block: impl Into<String>) -> Self {
+        self.blocks.push(block.into());
+        self
+    }
+
+    /// Starts the server on a free port and waits until its log says it is ready; `None` when
+    /// `nats-server` is not installed and `CI` is not `true` (see [`NatsServer::start`]).
+    pub async fn start(self) -> Option<NatsServer> {
+        let binary = binary()?;
+        let dir = super::unique_temp_dir("nats");
+        let mut server = NatsServer {
+            child: None,
+            binary,
+            last_exit: None,
+            last_pid: None,
+            port: 0,
+            config: Some(dir.join("nats.conf")),
+            dir,
+            ready_lines: Some(0),
+        };
+        for attempt in 1..=PORT_ATTEMPTS {
+            server.port = free_port();
+            let text = format!(
+                "listen: \"127.0.0.1:{}\"\njetstream {{\n  store_dir: {:?}\n}}\n{}",
+                server.port,
+                server.dir.join("store").display().to_string(),
+                self.blocks.join("\n")
+            );
+            let path = server.config.clone().expect("a configured server");
+            std::fs::write(&path, text).unwrap_or_else(|e| panic!("write {}: {e}", path.display()));
+            server.spawn(attempt == 1);
+            match server.wait_ready().await {
+                Ok(()) => return Some(server),
+                Err(status) => {
+                    if server.log().contains("address already in use") && attempt < PORT_ATTEMPTS {
+                        continue;
+                    }
+                    panic!(
+                        "nats-server exited before it was ready on port {} ({status})",
+                        server.port
+                    );
+                }
+            }
+        }
+        unreachable!("the last attempt returns or panics")
+    }
 }
 
 impl NatsServer {
@@ -65,6 +144,7 @@ impl NatsServer {
             port: 0,
             dir: super::unique_temp_dir("nats"),
             config: None,
+            ready_lines: None,
         };
         for attempt in 1..=PORT_ATTEMPTS {
             server.port = free_port();
@@ -86,6 +166,11 @@ impl NatsServer {
         unreachable!("the last attempt returns or panics")
     }
 
+    /// A server with TLS or authentication (or both), configured from a file.
+    pub fn builder() -> NatsServerBuilder {
+        NatsServerBuilder::default()
+    }
+
     /// A stopped server that runs `nats-server -c DIR/nats.conf` from a fresh directory once
     /// spawned; the caller writes the file (with `port`) and waits for readiness its own way.
     pub(super) fn configured(binary: PathBuf, kind: &str, port: u16) -> NatsServer {
@@ -98,6 +183,7 @@ impl NatsServer {
             port,
             config: Some(dir.join("nats.conf")),
             dir,
+            ready_lines: None,
         }
     }
 
@@ -249,6 +335,13 @@ impl NatsServer {
             .open(&log_path)
             .unwrap_or_else(|e| panic!("open {}: {e}", log_path.display()));
         let log_dup = log.try_clone().expect("clone log file handle");
+        if self.ready_lines.is_some() {
+            self.ready_lines = Some(if fresh_log {
+                0
+            } else {
+                self.log().matches(READY_LINE).count()
+            });
+        }
         let mut command = Command::new(&self.binary);
         match &self.config {
             Some(config) => command.arg("-c").arg(config),
@@ -286,9 +379,17 @@ impl NatsServer {
                 self.last_exit = Some(status);
                 return Err(status);
             }
-            let last = match probe(self.addr()).await {
-                Ok(()) => return Ok(()),
-                Err(e) => e,
+            let last = match self.ready_lines {
+                None => match probe(self.addr()).await {
+                    Ok(()) => return Ok(()),
+                    Err(e) => e,
+                },
+                Some(before) => {
+                    if self.log().matches(READY_LINE).count() > before {
+                        return Ok(());
+                    }
+                    format!("no new {READY_LINE:?} line in the log")
+                }
             };
             if Instant::now() >= deadline {
                 self.kill();

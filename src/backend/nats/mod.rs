@@ -4,6 +4,8 @@
 //! Written for nats-server 2.9 (what Debian and CI ship): one filter subject per consumer, no
 //! multi-filter consumers, no batched direct gets.
 //!
+//! - **Connection** ([`connect`]): the servers of `nats.url`, TLS and at most one kind of
+//!   credentials, all from `[nats]`; the files are read and checked before connecting.
 //! - **Stream**: created at start-up when missing: subjects `{prefix}.*`, file storage, limits
 //!   retention, max age `nats.retention`, duplicate window `publish.dedupe_window`. An existing
 //!   stream is adopted, and its max age and duplicate window are set to ours, unless it
@@ -47,6 +49,7 @@
 //! - **Trim**: JetStream applies `max_age` itself, to messages from any producer, so the
 //!   periodic trim has nothing to do.
 
+mod connect;
 mod layout;
 mod message;
 mod tail;
@@ -66,11 +69,12 @@ use async_nats::{
         context::{GetStreamErrorKind, PublishErrorKind},
         stream::{self, LastRawMessageErrorKind, RetentionPolicy, StorageType},
     },
-    ConnectOptions, HeaderMap,
+    HeaderMap,
 };
 use bytes::Bytes;
 use futures_util::{future::BoxFuture, FutureExt, StreamExt};
 
+pub use connect::{NatsAccess, NatsFileError};
 pub use layout::{layout_of, Layout};
 
 use super::{
@@ -78,7 +82,7 @@ use super::{
     ShardState, StoredEvent, Tail,
 };
 use crate::{
-    config::{NatsConfig, RedactedUrl},
+    config::NatsConfig,
     model::{shard_of, Cursor, Epoch, Position, Target},
 };
 
@@ -126,23 +130,12 @@ fn unavailable(
 }
 
 impl NatsBackend {
-    /// Connects and creates or adopts the stream; fails when NATS cannot be reached within
-    /// [`CONNECT_TIMEOUT`] or the existing stream conflicts with ours.
-    pub async fn connect(settings: NatsSettings) -> BackendResult<Self> {
-        let client = ConnectOptions::new()
-            .name("posthorn")
-            .connection_timeout(CONNECT_TIMEOUT)
-            .request_timeout(Some(REQUEST_TIMEOUT))
-            // The client reconnects forever (the default); say so in the log, once per change.
-            .event_callback(|event| async move {
-                match event {
-                    async_nats::Event::Connected => log::info!("nats: connected"),
-                    other => log::warn!("nats: {other}"),
-                }
-            })
-            .connect(server_addrs(&settings.nats.url)?)
-            .await
-            .map_err(|error| unavailable("cannot connect", error))?;
+    /// Connects (with the TLS and credentials of `[nats]`, see [`connect`]) and creates or
+    /// adopts the stream; fails when a TLS or credentials file cannot be used, NATS cannot be
+    /// reached within [`CONNECT_TIMEOUT`] or refuses the hub, or the existing stream conflicts
+    /// with ours.
+    pub async fn connect(settings: NatsSettings, access: NatsAccess) -> BackendResult<Self> {
+        let client = connect::connect(&settings.nats, access).await?;
         let jetstream = jetstream::ContextBuilder::new()
             .timeout(REQUEST_TIMEOUT)
             .build(client.clone());
@@ -162,21 +155,6 @@ impl NatsBackend {
             inner: Arc::new(inner),
         })
     }
-}
-
-/// The servers of `nats.url`: one URL, or several (the nodes of one cluster; the client also
-/// learns the others from the first server it reaches).
-fn server_addrs(urls: &[RedactedUrl]) -> BackendResult<Vec<async_nats::ServerAddr>> {
-    urls.iter()
-        .map(|url| {
-            url.as_str().trim().parse().map_err(|error| {
-                BackendError::rejected(format!(
-                    "nats.url: {:?} is not a server URL: {error}",
-                    url.redacted().trim()
-                ))
-            })
-        })
-        .collect()
 }
 
 /// The stream posthorn needs (docs/stream-format.md).
