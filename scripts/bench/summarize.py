@@ -68,6 +68,26 @@ def main(path):
         lambda r: (r["memory_peak"]["rss_kib"] - r["memory_before"]["rss_kib"]) if r.get("memory_peak") and r.get("memory_before") else None,
         0, "lower")
 
+    # TLS: the mean of the alternating rounds of each peer.
+    for peer in ("posthorn", "nchan"):
+        rounds = [result for (label, who), result in runs.items()
+                  if who == peer and label.startswith("tls-storm-")]
+        if rounds:
+            mean = lambda pick: (sum(pick(r) for r in rounds) / len(rounds)
+                                 if all(pick(r) is not None for r in rounds) else None)
+            runs[("tls-storm", peer)] = {
+                "rounds": len(rounds),
+                "accepted_per_second": mean(lambda r: r["accepted_per_second"]),
+                "server_cpu_ms_per_accept": mean(lambda r: r.get("server_cpu_ms_per_accept")),
+                "p99_ms": mean(lambda r: r["time_to_accept"]["p99_ms"]),
+                "tls": rounds[0].get("tls"),
+            }
+    row("TLS reconnect storm: accepted/s (mean of rounds)", "tls-storm", lambda r: r["accepted_per_second"])
+    row("TLS reconnect storm: server CPU ms per handshake", "tls-storm",
+        lambda r: r["server_cpu_ms_per_accept"], 3, "lower")
+    row("TLS reconnect storm: time to accept p99 ms", "tls-storm", lambda r: r["p99_ms"], 1, "lower")
+    row("bytes per idle TLS connection (PSS)", "tls-idle", lambda r: r["bytes_per_connection"], better="lower")
+
     print("| measurement | posthorn | nchan | posthorn/nchan | floor | posthorn/floor | better |")
     print("|---|---:|---:|---:|---:|---:|---|")
     for name, p, n, r, f, rf, better in rows:
@@ -93,6 +113,10 @@ def main(path):
         best = runs[("ladder-best", peer)]["best"]
         if best:
             extra.append(f"- {peer}: highest lossless broadcast rate {best[0]}/s (p99 {best[2]:.1f} ms)")
+    for peer in ("posthorn", "nchan"):
+        r = get("tls-storm", peer)
+        if r:
+            extra.append(f"- {peer}: TLS storm over {r['rounds']} rounds, negotiated {r['tls']}")
     if extra:
         print()
         print("\n".join(extra))

@@ -91,6 +91,10 @@ pub async fn run(run: &Run, args: &StormArgs) -> Result<(), LoadtestError> {
         "accepted_per_second": rate,
         "time_to_accept": connect,
         "cpu": cpu,
+        // Server CPU per accepted stream: with TLS, mostly the handshake.
+        "server_cpu_ms_per_accept": cpu.server_percent.map(|percent| {
+            percent / 100.0 * cpu.wall_seconds * 1000.0 / accepted.len().max(1) as f64
+        }),
         "tls": tls,
     }));
     Ok(())
