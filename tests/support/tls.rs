@@ -79,9 +79,10 @@ impl TestPki {
         let mut params =
             CertificateParams::new(names.iter().map(|n| n.to_string()).collect::<Vec<_>>())
                 .expect("server params");
-        params
-            .distinguished_name
-            .push(DnType::CommonName, names.first().copied().unwrap_or("server"));
+        params.distinguished_name.push(
+            DnType::CommonName,
+            names.first().copied().unwrap_or("server"),
+        );
         params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
         self.issue("server", params)
     }
@@ -104,7 +105,9 @@ impl TestPki {
                 .collect::<Vec<_>>(),
         )
         .expect("peer params");
-        params.distinguished_name.push(DnType::CommonName, "localhost");
+        params
+            .distinguished_name
+            .push(DnType::CommonName, "localhost");
         params.extended_key_usages = vec![
             ExtendedKeyUsagePurpose::ServerAuth,
             ExtendedKeyUsagePurpose::ClientAuth,
