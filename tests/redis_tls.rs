@@ -655,3 +655,34 @@ async fn tls_cluster_with_the_documented_acl_users() {
     let status = http::get(hub.addr(), "/admin/status").await.text();
     assert!(!status.contains(&users.hub), "password in /admin/status");
 }
+
+/// A TLS cluster whose certificates name `localhost` only, reached through the seed
+/// `rediss://localhost:PORT`: the nodes announce themselves as 127.0.0.1, and the hub verifies
+/// them against the seed's name (an IP the certificate does not list would be refused), so
+/// every group, on every node, is served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_cluster_nodes_are_verified_as_the_seed_name() {
+    let mut pki = TestPki::new("posthorn test CA");
+    let mut tls = RedisTls::new(&mut pki, "no");
+    tls.server = pki.peer_cert_for(&["localhost"]);
+    tls.server_name = "localhost".into();
+    let cluster = RedisCluster::start_tls(3, tls, |builder| builder).await;
+    let seed = cluster.nodes()[0];
+    let hub = tls_hub(&format!("rediss://localhost:{}", seed.port()), &pki)
+        .env("POSTHORN_REDIS__CLUSTER", "true")
+        .env("POSTHORN_REDIS__GROUPS", "3")
+        .start()
+        .await;
+    for (low, high) in [(0, 22), (22, 43), (43, 64)] {
+        let device = device_where(|shard| (low..high).contains(&shard));
+        publish_live_and_resume(&hub, &device).await;
+    }
+    // The groups' hash tags live on different nodes, all of which the hub reached.
+    let mut owners = Vec::new();
+    for group in 0..3 {
+        owners.push(cluster.owner_of(&format!("pos-ev:{{g{group}}}:0")).await);
+    }
+    owners.sort();
+    owners.dedup();
+    assert!(owners.len() > 1, "all groups on one node: {owners:?}");
+}
