@@ -201,13 +201,8 @@ impl RedisBackend {
             .map(|url| build_client(setup.config(url, redis.cluster).map_err(unavailable)?))
             .collect::<Result<Vec<_>, _>>()?;
         for (client, url) in clients.iter().zip(&urls) {
-            init(client).await.map_err(|error| match error {
-                BackendError::Unavailable { what, cause } => BackendError::Unavailable {
-                    what: format!("{what} at {}", url.redacted()),
-                    cause,
-                },
-                other => other,
-            })?;
+            // Which of several instances failed, without its password.
+            init(client, &format!("redis at {}", url.redacted())).await?;
         }
         let layout = settings.layout();
         let backend = Self {
@@ -230,12 +225,13 @@ impl RedisBackend {
     }
 }
 
-async fn init(client: &Client) -> BackendResult<()> {
+/// Connects `client`; `what` names the server in the error.
+async fn init(client: &Client, what: &str) -> BackendResult<()> {
     match tokio::time::timeout(CONNECT_TIMEOUT, client.init()).await {
         Ok(Ok(_connection_task)) => Ok(()),
-        Ok(Err(error)) => Err(unavailable(error)),
+        Ok(Err(error)) => Err(BackendError::unavailable_by(what, error)),
         Err(_) => Err(BackendError::unavailable(format!(
-            "redis: no connection within {}s",
+            "{what}: no connection within {}s",
             CONNECT_TIMEOUT.as_secs()
         ))),
     }
