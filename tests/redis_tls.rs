@@ -576,7 +576,8 @@ async fn a_rollback_starts_a_new_life_as_the_acl_user() {
 }
 
 /// The producer user of docs/security.md appends an entry the hub delivers (the hub here with the
-/// password in its URL, which still works) and is refused everything else with NOPERM.
+/// password in its URL, which still works) and is refused everything else with NOPERM. A hub
+/// given a wrong password file stops, without the password in its debug log.
 #[tokio::test]
 async fn producer_may_only_append() {
     let users = Users::new();
@@ -607,6 +608,21 @@ async fn producer_may_only_append() {
     let mut admin = redis.client().await;
     assert!(denied(&mut admin, "posthorn").await.is_empty());
     assert!(!denied(&mut admin, "producer").await.is_empty());
+
+    // A wrong password from a file stops the hub, and not even its debug log shows it.
+    let wrong = format!("{}-wrong", users.hub);
+    let file = redis.dir().join("wrong-password");
+    std::fs::write(&file, format!("{wrong}\n")).expect("write");
+    let (code, log) = redis_hub()
+        .env("POSTHORN_REDIS__URL", redis.url())
+        .env("POSTHORN_REDIS__USERNAME", "posthorn")
+        .env("POSTHORN_REDIS__PASSWORD_FILE", path_text(&file))
+        .env("RUST_LOG", "debug")
+        .run_to_exit(EXIT_WAIT)
+        .await;
+    assert_eq!(code, Some(1), "{log}");
+    assert!(log.contains("WRONGPASS"), "{log}");
+    assert!(!log.contains(&wrong), "password in the log:\n{log}");
 }
 
 /// (e) A 3-master cluster with TLS on every link and the documented cluster users: the hub (TLS,
