@@ -18,7 +18,7 @@ use crate::{
     backend::{
         memory::MemorySettings,
         nats::{NatsAccess, NatsBackend, NatsSettings},
-        redis::{RedisBackend, RedisSettings},
+        redis::{ConnectionSetup, RedisBackend, RedisSettings},
         Backend, BackendError, MemoryBackend,
     },
     config::{AuthMode, BackendChoice, Config},
@@ -54,8 +54,7 @@ pub enum ServeError {
     Io(#[from] io::Error),
 }
 
-/// Checks what the typed configuration cannot express on its own: secure defaults. (A feature
-/// this build does not have, TLS to Redis, is refused where the Redis backend is built.)
+/// Checks what the typed configuration cannot express on its own: secure defaults.
 pub fn check_servable(config: &Config) -> Result<(), ServeError> {
     if config.auth.mode == AuthMode::None && !config.listen_is_loopback() && !config.server.insecure
     {
@@ -84,20 +83,17 @@ pub async fn build_backend(config: &Config) -> Result<Arc<dyn Backend>, ServeErr
             dedupe_window,
         })),
         BackendChoice::Redis(redis) => {
-            if redis.wants_tls() {
-                // fred is built without a TLS feature: a rediss:// URL would silently connect in
-                // plain text.
-                return Err(ServeError::Unservable(
-                    "redis.url / redis.urls: rediss:// (TLS) is not supported by this build; use \
-                     redis:// through a TLS tunnel or sidecar, or a private network"
-                        .into(),
-                ));
-            }
+            // A file that cannot be used is a configuration error: stop before connecting.
+            let setup = ConnectionSetup::read(redis)
+                .map_err(|error| ServeError::Unservable(Report(&error).to_string()))?;
             Arc::new(
-                RedisBackend::connect(RedisSettings {
-                    redis: redis.clone(),
-                    dedupe_window,
-                })
+                RedisBackend::connect(
+                    RedisSettings {
+                        redis: redis.clone(),
+                        dedupe_window,
+                    },
+                    &setup,
+                )
                 .await
                 .map_err(ServeError::Backend)?,
             )

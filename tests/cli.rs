@@ -486,17 +486,3 @@ async fn shipped_config_files_start() {
         assert_eq!(resp.status, 200, "{}: {}", file.display(), resp.text());
     }
 }
-
-/// `rediss://` would silently connect without TLS in this build (fred has no TLS feature), so
-/// `serve` refuses it, naming the key.
-#[test]
-fn rediss_urls_are_refused() {
-    let output = std::process::Command::new(env!("CARGO_BIN_EXE_posthorn"))
-        .args(["serve", "--listen", "127.0.0.1:0"])
-        .env("POSTHORN_BACKEND__KIND", "redis")
-        .env("POSTHORN_REDIS__URL", "rediss://127.0.0.1:6380")
-        .output()
-        .expect("run posthorn serve");
-    assert_eq!(output.status.code(), Some(64));
-    assert!(String::from_utf8_lossy(&output.stderr).contains("rediss://"));
-}

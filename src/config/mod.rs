@@ -298,6 +298,11 @@ mod tests {
         assert_eq!(c.redis.count, 500);
         assert_eq!(c.redis.retention, Duration::from_secs(15 * 60));
         assert_eq!(c.redis.max_len, 100_000);
+        assert_eq!(c.redis.tls_ca_file, None);
+        assert_eq!(c.redis.tls_cert_file, None);
+        assert_eq!(c.redis.tls_key_file, None);
+        assert_eq!(c.redis.username, "");
+        assert_eq!(c.redis.password_file, None);
         assert_eq!(c.nats.url, [RedactedUrl::new("nats://127.0.0.1:4222")]);
         assert_eq!(c.nats.stream, "POSTHORN");
         assert_eq!(c.nats.subject_prefix, "posthorn.ev");
@@ -460,6 +465,19 @@ mod tests {
             ("[redis]\ngroups = 65\n", "redis.groups: "),
             ("[redis]\nprefix = \"a b\"\n", "redis.prefix: "),
             ("[redis]\nshards = 16385\n", "redis.shards: "),
+            (
+                "[redis]\nurl = \"rediss://a\"\ntls_cert_file = \"/c.pem\"\n",
+                "redis.tls_key_file: ",
+            ),
+            (
+                "[redis]\ntls_ca_file = \"/ca.pem\"\n",
+                "redis.tls_ca_file: ",
+            ),
+            (
+                "[redis]\nurl = \"redis://:pw@a\"\npassword_file = \"/pw\"\n",
+                "redis.password_file: ",
+            ),
+            ("[redis]\nusername = \"u\"\n", "redis.username: "),
             ("[memory]\nshards = 0\n", "memory.shards: "),
             ("[nats]\nstream = \"a.b\"\n", "nats.stream: "),
             ("[nats]\nsubject_prefix = \"\"\n", "nats.subject_prefix: "),
@@ -517,9 +535,10 @@ mod tests {
     }
 
     /// A configuration that sets every key of every section (all but `redis.cluster`,
-    /// `auth.jwt_secret_file`, `auth.jwt_public_key_file` and the NATS credentials keys away
-    /// from their defaults: the NATS URL carries a password, which no credentials key may join),
-    /// with a JWT secret and passwords in the URLs.
+    /// `auth.jwt_secret_file`, `auth.jwt_public_key_file`, the NATS credentials keys (the NATS URL
+    /// carries a password, which no credentials key may join) and the TLS and ACL user keys of
+    /// `[redis]` (`summary_of_redis_tls_and_user` has those) away from their defaults), with a JWT
+    /// secret and passwords in the URLs.
     const EVERY_KEY_SET: &str = r#"
 [server]
 listen = "0.0.0.0:9090"
@@ -546,6 +565,11 @@ block = "1500ms"
 count = 50
 retention = "2h"
 max_len = 300
+tls_ca_file = ""
+tls_cert_file = ""
+tls_key_file = ""
+username = ""
+password_file = ""
 [nats]
 url = "nats://u:pw3@n1:4222,nats://n2:4222"
 stream = "EV"
@@ -619,6 +643,11 @@ cache_entries = 0
                 "count": 50,
                 "retention": "2h",
                 "max_len": 300,
+                "tls_ca_file": "",
+                "tls_cert_file": "",
+                "tls_key_file": "",
+                "username": "",
+                "password_file": "",
             },
             "nats": {
                 "url": "nats://(redacted)@n1:4222,nats://n2:4222",
@@ -683,6 +712,25 @@ cache_entries = 0
                 "jwt_public_key_file": "/etc/posthorn/k.pem",
             })
         );
+    }
+
+    /// The TLS and ACL user keys of `[redis]` show their paths and the user, never a password.
+    #[test]
+    fn summary_of_redis_tls_and_user() {
+        let c = load(
+            "[redis]\nurl = \"rediss://r1:6380\"\ntls_ca_file = \"/etc/redis/ca.pem\"\n\
+             tls_cert_file = \"/etc/redis/c.pem\"\ntls_key_file = \"/etc/redis/k.pem\"\n\
+             username = \"posthorn\"\npassword_file = \"/run/secrets/redis\"\n",
+            &[],
+        )
+        .expect("valid");
+        let redis = &c.summary()["redis"];
+        assert_eq!(redis["url"], "rediss://r1:6380");
+        assert_eq!(redis["tls_ca_file"], "/etc/redis/ca.pem");
+        assert_eq!(redis["tls_cert_file"], "/etc/redis/c.pem");
+        assert_eq!(redis["tls_key_file"], "/etc/redis/k.pem");
+        assert_eq!(redis["username"], "posthorn");
+        assert_eq!(redis["password_file"], "/run/secrets/redis");
     }
 
     /// The summary has exactly the sections and keys of the file, plus the resolved

@@ -99,6 +99,11 @@ pub struct RawRedis {
     pub count: i64,
     pub retention: String,
     pub max_len: i64,
+    pub tls_ca_file: String,
+    pub tls_cert_file: String,
+    pub tls_key_file: String,
+    pub username: String,
+    pub password_file: String,
 }
 
 impl Default for RawRedis {
@@ -114,6 +119,11 @@ impl Default for RawRedis {
             count: 500,
             retention: "15m".into(),
             max_len: 100_000,
+            tls_ca_file: String::new(),
+            tls_cert_file: String::new(),
+            tls_key_file: String::new(),
+            username: String::new(),
+            password_file: String::new(),
         }
     }
 }

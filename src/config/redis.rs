@@ -1,9 +1,14 @@
 //! `[redis]`: Redis Streams as the event log: one instance (`url`), several (`urls`), or a
-//! Redis Cluster (`cluster`, `groups` hash-tag groups).
+//! Redis Cluster (`cluster`, `groups` hash-tag groups); TLS (`rediss://` with `tls_*` files) and
+//! an ACL user (`username`, `password_file`).
+//!
+//! Only the combinations are checked here; the files are read where the backend is built, once
+//! at start-up (`backend::redis::setup`), so that the configuration stays a value without secrets.
 
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use serde::Serialize;
+use serde::{Serialize, Serializer};
 
 use super::error::{invalid, ConfigError};
 use super::raw::RawRedis;
@@ -29,15 +34,136 @@ pub struct RedisConfig {
     #[serde(serialize_with = "serialize_duration")]
     pub retention: Duration,
     pub max_len: usize,
+    /// CA certificates (PEM) that sign the servers' certificates; `None`: the system's roots.
+    #[serde(serialize_with = "path_or_empty")]
+    pub tls_ca_file: Option<PathBuf>,
+    /// Client certificate and key (PEM) for mutual TLS: both or neither.
+    #[serde(serialize_with = "path_or_empty")]
+    pub tls_cert_file: Option<PathBuf>,
+    #[serde(serialize_with = "path_or_empty")]
+    pub tls_key_file: Option<PathBuf>,
+    /// ACL user; empty: the user of the URL, or `default`.
+    pub username: String,
+    /// File holding the password (the file is shown, never what it holds).
+    #[serde(serialize_with = "path_or_empty")]
+    pub password_file: Option<PathBuf>,
 }
 
 impl RedisConfig {
-    /// Whether any URL asks for TLS (`rediss://`).
+    /// The URLs the backend connects to: `urls` when set, else `url` (one instance or a
+    /// cluster's seed).
+    pub fn urls_in_use(&self) -> Vec<&RedactedUrl> {
+        if self.urls.is_empty() {
+            vec![&self.url]
+        } else {
+            self.urls.iter().collect()
+        }
+    }
+
+    /// Whether any URL in use asks for TLS (`rediss://`).
     pub fn wants_tls(&self) -> bool {
-        std::iter::once(&self.url)
-            .chain(&self.urls)
+        self.urls_in_use()
+            .iter()
             .any(|url| url.as_str().starts_with("rediss://"))
     }
+
+    /// The `tls_*` keys that are set, by name, for the checks that they are not ignored.
+    fn tls_keys_set(&self) -> Vec<&'static str> {
+        [
+            ("redis.tls_ca_file", &self.tls_ca_file),
+            ("redis.tls_cert_file", &self.tls_cert_file),
+            ("redis.tls_key_file", &self.tls_key_file),
+        ]
+        .into_iter()
+        .filter(|(_, path)| path.is_some())
+        .map(|(key, _)| key)
+        .collect()
+    }
+
+    /// Rules between keys: each credential and TLS setting has one source and is never ignored.
+    fn check_combinations(&self) -> Result<(), ConfigError> {
+        match (&self.tls_cert_file, &self.tls_key_file) {
+            (Some(_), None) => return Err(invalid(
+                "redis.tls_key_file",
+                "must be set when redis.tls_cert_file is (the client certificate's private key)",
+            )),
+            (None, Some(_)) => {
+                return Err(invalid(
+                    "redis.tls_cert_file",
+                    "must be set when redis.tls_key_file is (the certificate of that key)",
+                ))
+            }
+            _ => {}
+        }
+        if let Some(key) = self.tls_keys_set().first() {
+            if !self.wants_tls() {
+                return Err(invalid(
+                    key,
+                    "is set, but no Redis URL in use is rediss:// (redis.url, or redis.urls when \
+                     it is not empty), so it would be ignored",
+                ));
+            }
+        }
+        let in_url = |part: fn(&str) -> bool| {
+            self.urls_in_use()
+                .into_iter()
+                .find(|url| part(url.as_str()))
+                .map(RedactedUrl::redacted)
+        };
+        if self.password_file.is_some() {
+            if let Some(url) = in_url(|url| url_user_info(url).1.is_some()) {
+                return Err(invalid(
+                    "redis.password_file",
+                    format!("cannot be used together with a password in the URL (got {url})"),
+                ));
+            }
+        }
+        if !self.username.is_empty() {
+            if let Some(url) = in_url(|url| url_user_info(url).0.is_some()) {
+                return Err(invalid(
+                    "redis.username",
+                    format!("cannot be used together with a user in the URL (got {url})"),
+                ));
+            }
+            let url_password = in_url(|url| url_user_info(url).1.is_some()).is_some();
+            if self.password_file.is_none() && !url_password {
+                return Err(invalid(
+                    "redis.username",
+                    "needs a password: set redis.password_file (or put the password in the URL)",
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The user and password of a URL's user-info (`redis://user:pass@host`), each `None` when
+/// absent or empty.
+fn url_user_info(url: &str) -> (Option<&str>, Option<&str>) {
+    let Some((_, rest)) = url.split_once("://") else {
+        return (None, None);
+    };
+    let authority = &rest[..rest.find('/').unwrap_or(rest.len())];
+    let Some(at) = authority.rfind('@') else {
+        return (None, None);
+    };
+    let (user, password) = match authority[..at].split_once(':') {
+        Some((user, password)) => (user, Some(password)),
+        None => (&authority[..at], None),
+    };
+    (
+        Some(user).filter(|u| !u.is_empty()),
+        password.filter(|p| !p.is_empty()),
+    )
+}
+
+fn optional_path(text: String) -> Option<PathBuf> {
+    (!text.is_empty()).then(|| PathBuf::from(text))
+}
+
+/// An unset file is shown as "", as it is written in the file.
+fn path_or_empty<S: Serializer>(path: &Option<PathBuf>, s: S) -> Result<S::Ok, S::Error> {
+    s.collect_str(&path.as_deref().unwrap_or(Path::new("")).display())
 }
 
 impl TryFrom<RawRedis> for RedisConfig {
@@ -83,7 +209,7 @@ impl TryFrom<RawRedis> for RedisConfig {
         name_chars("redis.prefix", &raw.prefix, "A-Za-z0-9._:-", |c| {
             c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | ':' | '-')
         })?;
-        Ok(RedisConfig {
+        let redis = RedisConfig {
             url: RedactedUrl::new(raw.url),
             urls: raw.urls.into_iter().map(RedactedUrl::new).collect(),
             cluster: raw.cluster,
@@ -94,7 +220,14 @@ impl TryFrom<RawRedis> for RedisConfig {
             count,
             retention,
             max_len,
-        })
+            tls_ca_file: optional_path(raw.tls_ca_file),
+            tls_cert_file: optional_path(raw.tls_cert_file),
+            tls_key_file: optional_path(raw.tls_key_file),
+            username: raw.username,
+            password_file: optional_path(raw.password_file),
+        };
+        redis.check_combinations()?;
+        Ok(redis)
     }
 }
 
@@ -178,6 +311,114 @@ mod tests {
         for (raw, prefix) in cases {
             let error = redis(raw).expect_err("invalid");
             assert!(error.starts_with(prefix), "{error}");
+        }
+    }
+
+    /// Keys of `[redis]` and their values, as written.
+    type Keys<'a> = &'a [(&'a str, &'a str)];
+
+    fn set(raw: RawRedis, keys: Keys<'_>) -> RawRedis {
+        let mut raw = raw;
+        for (key, value) in keys {
+            let slot = match *key {
+                "url" => &mut raw.url,
+                "tls_ca_file" => &mut raw.tls_ca_file,
+                "tls_cert_file" => &mut raw.tls_cert_file,
+                "tls_key_file" => &mut raw.tls_key_file,
+                "username" => &mut raw.username,
+                "password_file" => &mut raw.password_file,
+                other => panic!("no key {other}"),
+            };
+            *slot = value.to_string();
+        }
+        raw
+    }
+
+    /// Client certificate and key go together; TLS files need a rediss:// URL in use; a user
+    /// and a password each come from one place, and a user needs a password. Every error names
+    /// its key and none shows a password.
+    #[test]
+    fn tls_and_credential_rules() {
+        let tls = RawRedis {
+            url: "rediss://a:6380".into(),
+            ..RawRedis::default()
+        };
+        let cases: &[(RawRedis, Keys<'_>, &str)] = &[
+            (
+                tls.clone(),
+                &[("tls_cert_file", "/c.pem")],
+                "redis.tls_key_file: must be set",
+            ),
+            (
+                tls.clone(),
+                &[("tls_key_file", "/k.pem")],
+                "redis.tls_cert_file: must be set",
+            ),
+            (
+                RawRedis::default(),
+                &[("tls_ca_file", "/ca.pem")],
+                "redis.tls_ca_file: is set, but no Redis URL in use is rediss://",
+            ),
+            (
+                // The URL is not in use when `urls` is set.
+                RawRedis {
+                    urls: vec!["redis://b:6379".into()],
+                    ..tls.clone()
+                },
+                &[("tls_cert_file", "/c.pem"), ("tls_key_file", "/k.pem")],
+                "redis.tls_cert_file: is set, but no Redis URL in use is rediss://",
+            ),
+            (
+                RawRedis::default(),
+                &[("url", "redis://:hunter2@a"), ("password_file", "/pw")],
+                "redis.password_file: cannot be used together with a password in the URL \
+                 (got redis://(redacted)@a)",
+            ),
+            (
+                RawRedis::default(),
+                &[("url", "redis://me:hunter2@a"), ("username", "posthorn")],
+                "redis.username: cannot be used together with a user in the URL",
+            ),
+            (
+                RawRedis::default(),
+                &[("username", "posthorn")],
+                "redis.username: needs a password",
+            ),
+        ];
+        for (raw, keys, expected) in cases {
+            let error = redis(set(raw.clone(), keys)).expect_err(expected);
+            assert!(error.starts_with(expected), "{error}");
+            assert!(!error.contains("hunter2"), "{error}");
+        }
+        let ok: &[(RawRedis, Keys<'_>)] = &[
+            (
+                tls.clone(),
+                &[
+                    ("tls_ca_file", "/ca.pem"),
+                    ("tls_cert_file", "/c.pem"),
+                    ("tls_key_file", "/k.pem"),
+                ],
+            ),
+            (
+                RawRedis::default(),
+                &[("username", "u"), ("password_file", "/pw")],
+            ),
+            (
+                RawRedis::default(),
+                &[("url", "redis://:pw@a"), ("username", "u")],
+            ),
+            (RawRedis::default(), &[("url", "redis://u:pw@a")]),
+            (
+                RawRedis {
+                    urls: vec!["redis://a:6379".into(), "rediss://b:6380".into()],
+                    ..RawRedis::default()
+                },
+                &[("tls_ca_file", "/ca.pem")],
+            ),
+        ];
+        for (raw, keys) in ok {
+            let config = redis(set(raw.clone(), keys));
+            assert!(config.is_ok(), "{keys:?}: {config:?}");
         }
     }
 

@@ -12,15 +12,23 @@
 //! its `redis.conf`, its data files and `redis.log`; dropping it SIGKILLs and
 //! reaps the process, prints the log tail if the test is panicking, and
 //! removes the directory (kept with `POSTHORN_TEST_KEEP_LOGS` set).
+//!
+//! A server may listen with TLS only ([`RedisBuilder::tls`], also a TLS cluster:
+//! [`RedisCluster::start_tls`]) and may turn its default user off
+//! ([`RedisBuilder::harness_user`]). The harness's own connections to it, every
+//! [`RespClient`] and readiness probe, then use TLS and authenticate by
+//! themselves: what a port needs is registered while its server lives.
 
+use std::collections::HashMap;
 use std::fs::OpenOptions;
 use std::io;
 use std::net::{Ipv4Addr, SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::time::Instant;
 
@@ -29,6 +37,7 @@ use redis_protocol::resp2::{
     types::{OwnedFrame, Resp2Frame},
 };
 
+use super::tls::{CertFiles, TestPki};
 use super::{free_port, IO_TIMEOUT};
 
 const SERVER_BIN: &str = "redis-server";
@@ -151,7 +160,7 @@ fn encode_command<A: AsRef<[u8]>>(args: &[A]) -> Vec<u8> {
 /// decoding) is the redis-protocol crate's; what is left here is a socket and a timeout.
 #[derive(Debug)]
 pub struct RespClient {
-    stream: TcpStream,
+    stream: Box<dyn Connection>,
     addr: SocketAddr,
     /// Bytes read past the previous reply (a reply may span reads).
     buf: Vec<u8>,
@@ -170,15 +179,39 @@ impl RespClient {
     }
 
     async fn try_connect_within(addr: SocketAddr, timeout: Duration) -> io::Result<RespClient> {
-        let stream = tokio::time::timeout(timeout, TcpStream::connect(addr))
+        let access = access_of(addr.port());
+        let connect = async {
+            let tcp = TcpStream::connect(addr).await?;
+            tcp.set_nodelay(true)?;
+            let stream: Box<dyn Connection> = match &access.tls {
+                Some((config, name)) => {
+                    let connector = tokio_rustls::TlsConnector::from(config.clone());
+                    Box::new(connector.connect(name.clone(), tcp).await?)
+                }
+                None => Box::new(tcp),
+            };
+            io::Result::Ok(stream)
+        };
+        let stream = tokio::time::timeout(timeout, connect)
             .await
             .map_err(|_| timed_out(format!("connect to {addr}")))??;
-        stream.set_nodelay(true)?;
-        Ok(RespClient {
+        let mut client = RespClient {
             stream,
             addr,
             buf: Vec::new(),
-        })
+        };
+        if let Some((user, password)) = &access.user {
+            let reply = client
+                .try_cmd_within(&["AUTH", user, password], timeout)
+                .await?;
+            if !reply.is_ok() {
+                return Err(io::Error::new(
+                    io::ErrorKind::PermissionDenied,
+                    format!("AUTH {user} on {addr}: {reply:?}"),
+                ));
+            }
+        }
+        Ok(client)
     }
 
     pub fn addr(&self) -> SocketAddr {
@@ -278,6 +311,113 @@ fn timed_out(what: String) -> io::Error {
     io::Error::new(io::ErrorKind::TimedOut, what)
 }
 
+/// A plain or TLS socket of a [`RespClient`].
+trait Connection: AsyncRead + AsyncWrite + Unpin + Send + std::fmt::Debug {}
+
+impl<T: AsyncRead + AsyncWrite + Unpin + Send + std::fmt::Debug> Connection for T {}
+
+/// How the harness reaches the server on one port: with TLS, and as which user.
+#[derive(Clone, Default)]
+struct Access {
+    /// With the name the server's certificate is verified against.
+    tls: Option<(
+        Arc<rustls::ClientConfig>,
+        rustls_pki_types::ServerName<'static>,
+    )>,
+    user: Option<(String, String)>,
+}
+
+/// What each running TLS or ACL server's port needs, so that every connection of the harness
+/// (probes, cluster checks, test clients) reaches it without being told.
+static ACCESS: Mutex<Option<HashMap<u16, Access>>> = Mutex::new(None);
+
+fn access_of(port: u16) -> Access {
+    let registry = ACCESS.lock().unwrap_or_else(|p| p.into_inner());
+    registry
+        .as_ref()
+        .and_then(|ports| ports.get(&port).cloned())
+        .unwrap_or_default()
+}
+
+fn set_access(port: u16, access: Option<Access>) {
+    let mut registry = ACCESS.lock().unwrap_or_else(|p| p.into_inner());
+    let ports = registry.get_or_insert_with(HashMap::new);
+    match access {
+        Some(access) => ports.insert(port, access),
+        None => ports.remove(&port),
+    };
+}
+
+/// TLS of a server: its certificate (also its client certificate on a cluster's bus) and CA,
+/// whether it asks clients for certificates, and the certificate the harness presents.
+#[derive(Debug, Clone)]
+pub struct RedisTls {
+    pub ca_file: PathBuf,
+    pub server: CertFiles,
+    /// What the harness's own connections present.
+    pub client: CertFiles,
+    /// `tls-auth-clients`: "yes", "no" or "optional".
+    pub auth_clients: &'static str,
+    /// The name the harness verifies the server's certificate against.
+    pub server_name: String,
+}
+
+impl RedisTls {
+    /// Certificates from `pki` (keep it alive while the server runs: it holds the files).
+    pub fn new(pki: &mut TestPki, auth_clients: &'static str) -> RedisTls {
+        RedisTls {
+            ca_file: pki.ca_file().to_path_buf(),
+            server: pki.peer_cert(),
+            client: pki.client_cert("harness"),
+            auth_clients,
+            server_name: "127.0.0.1".into(),
+        }
+    }
+
+    /// The harness's client side: trusts the CA, presents its client certificate.
+    fn client_config(&self) -> Arc<rustls::ClientConfig> {
+        use rustls_pki_types::{pem::PemObject, CertificateDer, PrivateKeyDer};
+        let mut roots = rustls::RootCertStore::empty();
+        for cert in CertificateDer::pem_file_iter(&self.ca_file).expect("read CA") {
+            roots.add(cert.expect("CA cert")).expect("add CA");
+        }
+        let certs = CertificateDer::pem_file_iter(&self.client.cert)
+            .expect("read client cert")
+            .collect::<Result<Vec<_>, _>>()
+            .expect("client cert");
+        let key = PrivateKeyDer::from_pem_file(&self.client.key).expect("client key");
+        let config = rustls::ClientConfig::builder_with_provider(Arc::new(
+            rustls::crypto::ring::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()
+        .expect("TLS versions")
+        .with_root_certificates(roots)
+        .with_client_auth_cert(certs, key)
+        .expect("client certificate");
+        Arc::new(config)
+    }
+
+    /// The `redis.conf` lines; `cluster` adds TLS on the bus and for replication.
+    fn directives(&self, port: u16, cluster: bool) -> String {
+        let mut conf = format!(
+            "port 0\n\
+             tls-port {port}\n\
+             tls-cert-file {cert:?}\n\
+             tls-key-file {key:?}\n\
+             tls-ca-cert-file {ca:?}\n\
+             tls-auth-clients {auth}\n",
+            cert = self.server.cert.display().to_string(),
+            key = self.server.key.display().to_string(),
+            ca = self.ca_file.display().to_string(),
+            auth = self.auth_clients,
+        );
+        if cluster {
+            conf.push_str("tls-cluster yes\ntls-replication yes\n");
+        }
+        conf
+    }
+}
+
 fn xadd_args<'a>(key: &'a str, fields: &[(&'a str, &'a str)]) -> Vec<&'a str> {
     let mut args = vec!["XADD", key, "*"];
     for (field, value) in fields {
@@ -354,6 +494,9 @@ pub struct RedisBuilder {
     appendonly: bool,
     cluster: bool,
     config: Vec<(String, String)>,
+    // Boxed: a server is held by value in enums of other test code, which should stay small.
+    tls: Option<Box<RedisTls>>,
+    harness_user: Option<Box<(String, String)>>,
 }
 
 impl RedisBuilder {
@@ -368,6 +511,19 @@ impl RedisBuilder {
     /// The value is written verbatim (quote it yourself if it needs quotes).
     pub fn config(mut self, directive: impl Into<String>, value: impl Into<String>) -> Self {
         self.config.push((directive.into(), value.into()));
+        self
+    }
+
+    /// Listen with TLS only (`port 0`, `tls-port`): clients must use `rediss://`.
+    pub fn tls(mut self, tls: RedisTls) -> Self {
+        self.tls = Some(Box::new(tls));
+        self
+    }
+
+    /// The user the harness's own connections authenticate as, for a server whose `default`
+    /// user is off (give that user its `user` directive with [`RedisBuilder::config`]).
+    pub fn harness_user(mut self, user: &str, password: &str) -> Self {
+        self.harness_user = Some(Box::new((user.into(), password.into())));
         self
     }
 
@@ -390,10 +546,12 @@ impl RedisBuilder {
                 free_port()
             };
             server.write_config();
+            server.register_access();
             server.spawn(attempt == 1);
             match server.wait_ready().await {
                 Ok(()) => return server,
                 Err(status) => {
+                    set_access(server.port, None);
                     let log = server.log();
                     if log.contains("Address already in use") && attempt < PORT_ATTEMPTS {
                         continue;
@@ -477,9 +635,28 @@ impl RedisServer {
         SocketAddr::from((Ipv4Addr::LOCALHOST, self.port))
     }
 
-    /// `redis://127.0.0.1:PORT`, the form the hub's configuration takes.
+    /// `redis://127.0.0.1:PORT` (`rediss://` with TLS), the form the hub's configuration takes.
     pub fn url(&self) -> String {
-        format!("redis://{}", self.addr())
+        let scheme = if self.builder.tls.is_some() {
+            "rediss"
+        } else {
+            "redis"
+        };
+        format!("{scheme}://{}", self.addr())
+    }
+
+    /// What the harness needs to reach this server, registered for its port.
+    fn register_access(&self) {
+        let access = Access {
+            tls: self.builder.tls.as_ref().map(|tls| {
+                let name = rustls_pki_types::ServerName::try_from(tls.server_name.clone())
+                    .expect("a server name");
+                (tls.client_config(), name)
+            }),
+            user: self.builder.harness_user.as_deref().cloned(),
+        };
+        let needed = access.tls.is_some() || access.user.is_some();
+        set_access(self.port, needed.then_some(access));
     }
 
     /// Working directory: `redis.conf`, `redis.log`, AOF and cluster files.
@@ -719,8 +896,12 @@ impl RedisServer {
 
     fn write_config(&self) {
         let b = &self.builder;
+        let listen = match &b.tls {
+            Some(tls) => tls.directives(self.port, b.cluster),
+            None => format!("port {}\n", self.port),
+        };
         let mut conf = format!(
-            "port {port}\n\
+            "{listen}\
              bind 127.0.0.1\n\
              dir {dir:?}\n\
              daemonize no\n\
@@ -731,7 +912,6 @@ impl RedisServer {
              appendfsync always\n\
              # DEBUG SLEEP and friends let tests simulate a stalled server\n\
              enable-debug-command local\n",
-            port = self.port,
             dir = self.dir.display().to_string(),
             aof = if b.appendonly { "yes" } else { "no" },
         );
@@ -907,6 +1087,7 @@ fn copy_file(from: &Path, to: &Path) {
 impl Drop for RedisServer {
     fn drop(&mut self) {
         self.kill();
+        set_access(self.port, None);
         if std::thread::panicking() {
             let log = self.log();
             let tail =
@@ -1009,13 +1190,34 @@ impl RedisCluster {
         Self::start_masters(masters, true).await
     }
 
+    /// Like [`RedisCluster::start`] with TLS only: clients, the cluster bus and replication
+    /// (`tls-cluster`, `tls-replication`); `tls.server` must also be a client certificate
+    /// ([`TestPki::peer_cert`], as [`RedisTls::new`] makes it), for the bus. `configure` adds
+    /// directives to every node (ACL users, say).
+    pub async fn start_tls(
+        masters: usize,
+        tls: RedisTls,
+        configure: impl Fn(RedisBuilder) -> RedisBuilder,
+    ) -> RedisCluster {
+        let builder = RedisBuilder {
+            cluster: true,
+            ..RedisBuilder::default()
+        }
+        .tls(tls);
+        Self::start_masters_with(masters, configure(builder)).await
+    }
+
     async fn start_masters(masters: usize, appendonly: bool) -> RedisCluster {
-        assert!(masters >= 1, "a cluster needs at least one master");
         let builder = RedisBuilder {
             cluster: true,
             ..RedisBuilder::default()
         }
         .appendonly(appendonly);
+        Self::start_masters_with(masters, builder).await
+    }
+
+    async fn start_masters_with(masters: usize, builder: RedisBuilder) -> RedisCluster {
+        assert!(masters >= 1, "a cluster needs at least one master");
         let cluster = Self::start_nodes(masters, builder).await;
         if masters >= 3 {
             cluster.create_with_redis_cli(0).await;
@@ -1085,6 +1287,25 @@ impl RedisCluster {
 
     async fn create_with_redis_cli(&self, replicas: usize) {
         let mut cmd = tokio::process::Command::new(binary(CLI_BIN));
+        let first = &self.nodes[0].builder;
+        if let Some(tls) = &first.tls {
+            cmd.arg("--tls")
+                .arg("--cacert")
+                .arg(&tls.ca_file)
+                .arg("--cert")
+                .arg(&tls.client.cert)
+                .arg("--key")
+                .arg(&tls.client.key);
+        }
+        if let Some((user, password)) = first.harness_user.as_deref() {
+            cmd.args([
+                "--user",
+                user.as_str(),
+                "--pass",
+                password.as_str(),
+                "--no-auth-warning",
+            ]);
+        }
         cmd.args(["--cluster", "create"])
             .args(self.nodes().iter().map(ToString::to_string))
             .args(["--cluster-replicas", &replicas.to_string(), "--cluster-yes"])

@@ -106,13 +106,15 @@ impl TestPki {
     /// A certificate usable both ways (a server that is also a client of its peers, like the
     /// nodes of a Redis Cluster talking over their bus).
     pub fn peer_cert(&mut self) -> CertFiles {
-        let mut params = CertificateParams::new(
-            LOOPBACK_NAMES
-                .iter()
-                .map(|n| n.to_string())
-                .collect::<Vec<_>>(),
-        )
-        .expect("peer params");
+        self.peer_cert_for(&LOOPBACK_NAMES)
+    }
+
+    /// A certificate usable both ways for `names` only (e.g. a host name without the loopback
+    /// IPs, which a client must then not verify against).
+    pub fn peer_cert_for(&mut self, names: &[&str]) -> CertFiles {
+        let mut params =
+            CertificateParams::new(names.iter().map(|n| n.to_string()).collect::<Vec<_>>())
+                .expect("peer params");
         params
             .distinguished_name
             .push(DnType::CommonName, "localhost");

@@ -25,7 +25,9 @@
 mod layout;
 mod reply;
 mod scripts;
+mod setup;
 mod tail;
+mod tls;
 
 use std::{
     collections::VecDeque,
@@ -42,6 +44,7 @@ use fred::{
 use futures_util::{future::BoxFuture, FutureExt};
 
 pub use layout::Layout;
+pub use setup::{ConnectionSetup, SetupError};
 
 use super::{
     trim_interval, Appended, Backend, BackendError, BackendResult, ItemFailure, ItemOutcome,
@@ -188,26 +191,18 @@ fn build_client(config: Config) -> Result<Client, BackendError> {
 
 impl RedisBackend {
     /// Connects every client; fails when Redis cannot be reached within [`CONNECT_TIMEOUT`].
-    pub async fn connect(settings: RedisSettings) -> BackendResult<Self> {
+    /// `setup` is [`ConnectionSetup::read`] of the same `[redis]` section.
+    pub async fn connect(settings: RedisSettings, setup: &ConnectionSetup) -> BackendResult<Self> {
         let redis = &settings.redis;
-        let clients = if redis.cluster {
-            let config = Config::from_url_clustered(redis.url.as_str()).map_err(unavailable)?;
-            vec![build_client(config)?]
-        } else if redis.urls.is_empty() {
-            vec![build_client(
-                Config::from_url_centralized(redis.url.as_str()).map_err(unavailable)?,
-            )?]
-        } else {
-            redis
-                .urls
-                .iter()
-                .map(|url| {
-                    build_client(Config::from_url_centralized(url.as_str()).map_err(unavailable)?)
-                })
-                .collect::<Result<_, _>>()?
-        };
-        for client in &clients {
-            init(client).await?;
+        // `urls_in_use` is the seed alone in a cluster (the configuration refuses both).
+        let urls = redis.urls_in_use();
+        let clients = urls
+            .iter()
+            .map(|url| build_client(setup.config(url, redis.cluster).map_err(unavailable)?))
+            .collect::<Result<Vec<_>, _>>()?;
+        for (client, url) in clients.iter().zip(&urls) {
+            // Which of several instances failed, without its password.
+            init(client, &format!("redis at {}", url.redacted())).await?;
         }
         let layout = settings.layout();
         let backend = Self {
@@ -230,12 +225,13 @@ impl RedisBackend {
     }
 }
 
-async fn init(client: &Client) -> BackendResult<()> {
+/// Connects `client`; `what` names the server in the error.
+async fn init(client: &Client, what: &str) -> BackendResult<()> {
     match tokio::time::timeout(CONNECT_TIMEOUT, client.init()).await {
         Ok(Ok(_connection_task)) => Ok(()),
-        Ok(Err(error)) => Err(unavailable(error)),
+        Ok(Err(error)) => Err(BackendError::unavailable_by(what, error)),
         Err(_) => Err(BackendError::unavailable(format!(
-            "redis: no connection within {}s",
+            "{what}: no connection within {}s",
             CONNECT_TIMEOUT.as_secs()
         ))),
     }

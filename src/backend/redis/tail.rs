@@ -67,7 +67,7 @@ pub struct RedisTail {
 impl RedisTail {
     pub async fn open(inner: Arc<Inner>, group: usize) -> BackendResult<Self> {
         let client = inner.client(group).clone_new();
-        init(&client).await?;
+        init(&client, "redis").await?;
         let client_id = client_id(&inner, group, &client).await;
         let shards = inner.layout.shards_of(group);
         let all: Vec<u32> = shards.clone().collect();
@@ -158,7 +158,7 @@ impl RedisTail {
         // The connection may still be blocked: a new one for the next read.
         log::debug!("tail of group {} renews its connection", self.group);
         let client = self.inner.client(self.group).clone_new();
-        if init(&client).await.is_ok() {
+        if init(&client, "redis").await.is_ok() {
             let old = std::mem::replace(&mut self.client, client);
             tokio::spawn(async move {
                 let _ = old.quit().await;
