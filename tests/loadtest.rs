@@ -229,6 +229,52 @@ async fn idle_storm_and_drain_scenarios_report_what_happened() {
     assert!(hub.wait_exit(Duration::from_secs(10)).await.is_some());
 }
 
+/// Over TLS (`docs/BENCHMARKS.md`, "TLS reconnect storm"): against an HTTPS hub the storm, a
+/// broadcast fan-out and the idle scenario connect with TLS trusting `--ca-file`, the storm
+/// reports what its handshakes negotiated, and a CA the hub's certificate does not come from
+/// fails every connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scenarios_run_over_tls() {
+    let mut pki = support::tls::TestPki::new("loadtest CA");
+    let hub = Hub::builder().https(&pki.server_cert(), pki.ca_file()).start().await;
+    let url = hub.base_url();
+    let ca = pki.ca_file().to_str().unwrap().to_string();
+    let report = run_ok(&[
+        "storm", "--url", &url, "--ca-file", &ca, "-n", "40", "--pause", "500ms",
+    ])
+    .await;
+    assert_eq!(u(&report["accepted"]), 40, "{report}");
+    assert!(
+        report["tls"].as_str().is_some_and(|tls| tls.starts_with("TLSv1_3")),
+        "{report}"
+    );
+    let report = run_ok(&[
+        "fanout", "--url", &url, "--ca-file", &ca, "-n", "20", "--mode", "broadcast", "--rate",
+        "5", "--duration", "2s",
+    ])
+    .await;
+    assert_eq!(u(&report["deliveries"]["lost"]), 0, "{report}");
+    assert!(u(&report["deliveries"]["distinct"]) > 0, "{report}");
+    let report = run_ok(&["idle", "--url", &url, "--ca-file", &ca, "-n", "20", "--settle", "500ms"]).await;
+    assert!(report["bytes_per_connection"].as_f64().is_some(), "{report}");
+
+    let stranger = support::tls::TestPki::new("another CA");
+    let (code, _, text) = loadtest(&[
+        "storm",
+        "--url",
+        &url,
+        "--ca-file",
+        stranger.ca_file().to_str().unwrap(),
+        "-n",
+        "5",
+        "--pause",
+        "100ms",
+    ])
+    .await;
+    assert_ne!(code, 0, "{text}");
+    assert!(text.contains("certificate"), "{text}");
+}
+
 /// `resume`: clients take a cursor, events are published while they are away, then all come
 /// back at once; the report counts every replayed delivery, and the hub's replay counters are
 /// read (here every entry of the memory log is read once per replay page it is in).

@@ -292,6 +292,9 @@ fn config(dir: &Path, addr: SocketAddr, upstreams: &[SocketAddr]) -> String {
          \x20           # header stops nginx from sending `Connection: close`.\n\
          \x20           proxy_http_version 1.1;\n\
          \x20           proxy_set_header Connection \"\";\n\
+         \x20           # The client's Host, as proxies in front of a hub should pass it: a hub\n\
+         \x20           # with auth none refuses requests for names it does not know.\n\
+         \x20           proxy_set_header Host $http_host;\n\
          \x20           # SSE: pass every event on as soon as the hub writes it.\n\
          \x20           proxy_buffering off;\n\
          \x20           proxy_cache off;\n\
