@@ -217,7 +217,7 @@ async fn tls_files_are_checked_at_start() {
                 ("POSTHORN_REDIS__TLS_CA_FILE", path_text(&garbage)),
             ],
             format!(
-                "redis.tls_ca_file: {}: no PEM certificate in it",
+                "redis.tls_ca_file: {} holds no certificate in PEM",
                 garbage.display()
             ),
         ),
@@ -229,7 +229,7 @@ async fn tls_files_are_checked_at_start() {
                 ("POSTHORN_REDIS__TLS_KEY_FILE", path_text(&garbage)),
             ],
             format!(
-                "redis.tls_key_file: {}: no PEM private key",
+                "redis.tls_key_file: {} holds no private key in PEM",
                 garbage.display()
             ),
         ),

@@ -5,10 +5,7 @@
 //! The password of `redis.password_file` lives in a [`Secret`] until it is handed to fred, so no
 //! `{:?}` of the hub's own values can print it.
 
-use std::{
-    io,
-    path::{Path, PathBuf},
-};
+use std::path::PathBuf;
 
 use fred::{
     error::{Error as FredError, ErrorKind},
@@ -22,24 +19,16 @@ use crate::config::{RedactedUrl, RedisConfig, Secret};
 /// A file of the `[redis]` section that cannot be used. Shown at start-up, where the hub stops.
 #[derive(Debug, Error)]
 pub enum SetupError {
-    #[error("{key}: cannot read {}", path.display())]
-    Read {
+    /// `redis.password_file` cannot be read, or is empty.
+    #[error(transparent)]
+    PasswordFile(#[from] crate::config::ConfigError),
+    /// A TLS file that cannot be used (`crate::tls` says why and names the path).
+    #[error("{key}")]
+    File {
         key: &'static str,
-        path: PathBuf,
         #[source]
-        source: io::Error,
+        source: crate::tls::TlsError,
     },
-    #[error("{key}: {}: {problem}", path.display())]
-    Content {
-        key: &'static str,
-        path: PathBuf,
-        problem: String,
-    },
-    #[error(
-        "redis.tls_ca_file: not set, and no CA certificate could be loaded from the system's \
-         store ({0}); set redis.tls_ca_file to the CA that signs the Redis servers' certificates"
-    )]
-    NoSystemRoots(String),
     #[error(
         "redis.tls_cert_file: {} with redis.tls_key_file {} is no usable client certificate",
         cert.display(),
@@ -58,21 +47,10 @@ pub enum SetupError {
 }
 
 impl SetupError {
-    pub(super) fn content(key: &'static str, path: &Path, problem: impl ToString) -> Self {
-        Self::Content {
-            key,
-            path: path.to_path_buf(),
-            problem: problem.to_string(),
-        }
+    /// Names the key of a TLS file that cannot be used.
+    pub(super) fn file(key: &'static str) -> impl FnOnce(crate::tls::TlsError) -> Self {
+        move |source| Self::File { key, source }
     }
-}
-
-pub(super) fn read_file(key: &'static str, path: &Path) -> Result<Vec<u8>, SetupError> {
-    std::fs::read(path).map_err(|source| SetupError::Read {
-        key,
-        path: path.to_path_buf(),
-        source,
-    })
 }
 
 /// How to open each connection of the backend.
@@ -89,7 +67,11 @@ impl ConnectionSetup {
         Ok(Self {
             tls: super::tls::client_tls(redis)?,
             username: (!redis.username.is_empty()).then(|| redis.username.clone()),
-            password: redis.password_file.as_deref().map(password).transpose()?,
+            password: redis
+                .password_file
+                .as_deref()
+                .map(|path| Secret::from_file("redis.password_file", path))
+                .transpose()?,
         })
     }
 
@@ -128,27 +110,20 @@ impl ConnectionSetup {
     }
 }
 
-/// The password in `path`, without the line end an editor or `echo` leaves behind.
-fn password(path: &Path) -> Result<Secret, SetupError> {
-    let key = "redis.password_file";
-    let bytes = read_file(key, path)?;
-    let text =
-        String::from_utf8(bytes).map_err(|_| SetupError::content(key, path, "not UTF-8 text"))?;
-    let password = text.trim_end_matches(['\n', '\r']);
-    if password.is_empty() {
-        return Err(SetupError::content(key, path, "empty"));
-    }
-    Ok(Secret::new(password))
-}
-
 #[cfg(test)]
 mod tests {
+    use std::path::Path;
+
     use super::*;
 
     fn temp_file(name: &str, content: &[u8]) -> PathBuf {
         let path = std::env::temp_dir().join(format!("posthorn-{}-{name}", std::process::id()));
         std::fs::write(&path, content).expect("write");
         path
+    }
+
+    fn password(path: &Path) -> Result<Secret, crate::config::ConfigError> {
+        Secret::from_file("redis.password_file", path)
     }
 
     /// The line end is trimmed, nothing else; an empty or missing file names key and path.
@@ -161,11 +136,13 @@ mod tests {
         let path = temp_file("pw-empty", b"\n");
         let error = password(&path).expect_err("empty").to_string();
         let _ = std::fs::remove_file(&path);
-        assert!(error.starts_with("redis.password_file: ") && error.ends_with(": empty"));
+        assert!(error.starts_with("redis.password_file: ") && error.ends_with(" is empty"));
         let error = password(Path::new("/nonexistent/pw")).expect_err("missing");
-        assert_eq!(
-            error.to_string(),
-            "redis.password_file: cannot read /nonexistent/pw"
+        assert!(
+            error
+                .to_string()
+                .starts_with("redis.password_file: cannot read /nonexistent/pw"),
+            "{error}"
         );
     }
 

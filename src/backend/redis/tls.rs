@@ -23,23 +23,24 @@ use rustls::{
         danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier},
         WebPkiServerVerifier,
     },
-    ClientConfig, DigitallySignedStruct, RootCertStore, SignatureScheme,
+    ClientConfig, DigitallySignedStruct, SignatureScheme,
 };
-use rustls_pki_types::{pem::PemObject, CertificateDer, PrivateKeyDer, ServerName, UnixTime};
+use rustls_pki_types::{CertificateDer, ServerName, UnixTime};
 
-use super::setup::{read_file, SetupError};
-use crate::config::RedisConfig;
+use super::setup::SetupError;
+use crate::{config::RedisConfig, tls};
 
 /// The TLS settings for fred, or `None` when no URL in use is `rediss://`.
 pub fn client_tls(redis: &RedisConfig) -> Result<Option<TlsConfig>, SetupError> {
     if !redis.wants_tls() {
         return Ok(None);
     }
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let verifier =
-        WebPkiServerVerifier::builder_with_provider(Arc::new(roots(redis)?), provider.clone())
-            .build()
-            .map_err(SetupError::Verifier)?;
+    let provider = tls::provider();
+    let roots = tls::root_store(redis.tls_ca_file.as_deref())
+        .map_err(SetupError::file("redis.tls_ca_file"))?;
+    let verifier = WebPkiServerVerifier::builder_with_provider(Arc::new(roots), provider.clone())
+        .build()
+        .map_err(SetupError::Verifier)?;
     let trusted = match &redis.tls_ca_file {
         Some(path) => format!("redis.tls_ca_file {}", path.display()),
         None => "the system's CA store".into(),
@@ -51,8 +52,9 @@ pub fn client_tls(redis: &RedisConfig) -> Result<Option<TlsConfig>, SetupError> 
         .with_custom_certificate_verifier(Arc::new(Explained { verifier, trusted }));
     let config = match (&redis.tls_cert_file, &redis.tls_key_file) {
         (Some(cert_file), Some(key_file)) => {
-            let certs = certificates("redis.tls_cert_file", cert_file)?;
-            let key = private_key(key_file)?;
+            let certs =
+                tls::certificates(cert_file).map_err(SetupError::file("redis.tls_cert_file"))?;
+            let key = tls::private_key(key_file).map_err(SetupError::file("redis.tls_key_file"))?;
             builder
                 .with_client_auth_cert(certs, key)
                 .map_err(|source| SetupError::ClientCert {
@@ -68,64 +70,6 @@ pub fn client_tls(redis: &RedisConfig) -> Result<Option<TlsConfig>, SetupError> 
         connector: TlsConnector::from(config),
         hostnames: hostnames(redis),
     }))
-}
-
-/// `redis.tls_ca_file`, or the system's roots when it is not set.
-fn roots(redis: &RedisConfig) -> Result<RootCertStore, SetupError> {
-    let mut roots = RootCertStore::empty();
-    match &redis.tls_ca_file {
-        Some(path) => {
-            for cert in certificates("redis.tls_ca_file", path)? {
-                roots
-                    .add(cert)
-                    .map_err(|error| SetupError::content("redis.tls_ca_file", path, error))?;
-            }
-        }
-        None => {
-            let found = rustls_native_certs::load_native_certs();
-            let (added, _unusable) = roots.add_parsable_certificates(found.certs);
-            if added == 0 {
-                let errors: Vec<String> = found.errors.iter().map(ToString::to_string).collect();
-                return Err(SetupError::NoSystemRoots(if errors.is_empty() {
-                    "none found".into()
-                } else {
-                    errors.join("; ")
-                }));
-            }
-            // Some roots are enough to connect; the unreadable ones are worth a line.
-            for error in &found.errors {
-                log::warn!("redis TLS: some of the system's CA certificates were skipped: {error}");
-            }
-        }
-    }
-    Ok(roots)
-}
-
-/// Every certificate of a PEM file; a file with none is an error.
-fn certificates(
-    key: &'static str,
-    path: &Path,
-) -> Result<Vec<CertificateDer<'static>>, SetupError> {
-    let pem = read_file(key, path)?;
-    let certs = CertificateDer::pem_slice_iter(&pem)
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|error| SetupError::content(key, path, error))?;
-    if certs.is_empty() {
-        return Err(SetupError::content(key, path, "no PEM certificate in it"));
-    }
-    Ok(certs)
-}
-
-fn private_key(path: &Path) -> Result<PrivateKeyDer<'static>, SetupError> {
-    let key = "redis.tls_key_file";
-    let pem = read_file(key, path)?;
-    PrivateKeyDer::from_pem_slice(&pem).map_err(|error| {
-        SetupError::content(
-            key,
-            path,
-            format!("no PEM private key (PKCS#8, PKCS#1 or SEC1) in it: {error}"),
-        )
-    })
 }
 
 /// The standard verification (chain to the trusted roots, validity, host name), which also logs
@@ -265,19 +209,17 @@ mod tests {
             .is_none());
         let mut config = redis("rediss://a:6380", false);
         config.tls_ca_file = Some("/nonexistent/ca.pem".into());
-        let error = client_tls(&config).expect_err("missing");
+        let error = crate::report::Report(&client_tls(&config).expect_err("missing")).to_string();
         assert!(
-            error
-                .to_string()
-                .starts_with("redis.tls_ca_file: cannot read /nonexistent/ca.pem"),
+            error.starts_with("redis.tls_ca_file: cannot read /nonexistent/ca.pem"),
             "{error}"
         );
         let empty = std::env::temp_dir().join(format!("posthorn-empty-{}.pem", std::process::id()));
         std::fs::write(&empty, "not a certificate\n").expect("write");
         config.tls_ca_file = Some(empty.clone());
-        let error = client_tls(&config).expect_err("empty").to_string();
+        let error = crate::report::Report(&client_tls(&config).expect_err("empty")).to_string();
         let _ = std::fs::remove_file(&empty);
         assert!(error.starts_with("redis.tls_ca_file: "), "{error}");
-        assert!(error.contains("no PEM certificate"), "{error}");
+        assert!(error.contains("holds no certificate in PEM"), "{error}");
     }
 }
