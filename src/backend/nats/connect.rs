@@ -208,51 +208,36 @@ fn read_secret(key: &'static str, path: &Path) -> Result<Secret, NatsFileError> 
     Ok(Secret::new(trimmed))
 }
 
+/// What `crate::tls` found wrong with a TLS file, as the file error of its key.
+fn tls_file(key: &'static str, path: &Path, error: crate::tls::TlsError) -> NatsFileError {
+    use crate::tls::TlsError;
+    let (problem, cause): (String, Option<Box<dyn std::error::Error + Send + Sync>>) = match error
+    {
+        TlsError::Read { source, .. } => ("cannot be read".into(), Some(source.into())),
+        TlsError::Missing { what, .. } => (format!("holds no PEM {what}"), None),
+        TlsError::Pem { source, .. } => ("is not PEM".into(), Some(Box::new(source))),
+        TlsError::Key { source, .. } => ("holds a key that cannot sign".into(), Some(Box::new(source))),
+        other => ("cannot be used".into(), Some(Box::new(other))),
+    };
+    file_error(key, path, &problem, cause)
+}
+
 /// TLS files are checked (parsed as the TLS stack will) so that a wrong file fails start-up with
 /// its key; async-nats reads them itself when it connects.
 fn tls(options: ConnectOptions, nats: &NatsConfig) -> Result<ConnectOptions, NatsFileError> {
-    use rustls_pki_types::{pem::PemObject, CertificateDer, PrivateKeyDer};
+    use crate::tls;
 
-    let certificates =
-        |key: &'static str, path: &Path| -> Result<Vec<CertificateDer<'static>>, NatsFileError> {
-            let bytes = read(key, path)?;
-            let certs = CertificateDer::pem_slice_iter(&bytes)
-                .collect::<Result<Vec<_>, _>>()
-                .map_err(|error| file_error(key, path, "is not PEM", Some(error.into())))?;
-            if certs.is_empty() {
-                return Err(file_error(key, path, "holds no PEM certificate", None));
-            }
-            Ok(certs)
-        };
     let mut options = options.require_tls(nats.wants_tls());
     if let Some(path) = &nats.tls_ca_file {
-        let mut roots = rustls::RootCertStore::empty();
-        for cert in certificates("nats.tls_ca_file", path)? {
-            roots.add(cert).map_err(|error| {
-                file_error(
-                    "nats.tls_ca_file",
-                    path,
-                    "holds a certificate that cannot be a trust anchor",
-                    Some(error.into()),
-                )
-            })?;
-        }
+        tls::root_store(Some(path)).map_err(|error| tls_file("nats.tls_ca_file", path, error))?;
         options = options.add_root_certificates(path.clone());
     }
     if let Some((cert, key)) = nats.client_cert() {
-        let chain = certificates("nats.tls_cert_file", cert)?;
+        let chain =
+            tls::certificates(cert).map_err(|error| tls_file("nats.tls_cert_file", cert, error))?;
         let private =
-            PrivateKeyDer::from_pem_slice(&read("nats.tls_key_file", key)?).map_err(|error| {
-                file_error(
-                    "nats.tls_key_file",
-                    key,
-                    "holds no PEM private key",
-                    Some(error.into()),
-                )
-            })?;
-        rustls::ClientConfig::builder_with_provider(std::sync::Arc::new(
-            rustls::crypto::ring::default_provider(),
-        ))
+            tls::private_key(key).map_err(|error| tls_file("nats.tls_key_file", key, error))?;
+        rustls::ClientConfig::builder_with_provider(tls::provider())
         .with_safe_default_protocol_versions()
         .and_then(|builder| {
             builder
