@@ -236,27 +236,65 @@ async fn idle_storm_and_drain_scenarios_report_what_happened() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn scenarios_run_over_tls() {
     let mut pki = support::tls::TestPki::new("loadtest CA");
-    let hub = Hub::builder().https(&pki.server_cert(), pki.ca_file()).start().await;
+    let hub = Hub::builder()
+        .https(&pki.server_cert(), pki.ca_file())
+        .start()
+        .await;
     let url = hub.base_url();
     let ca = pki.ca_file().to_str().unwrap().to_string();
     let report = run_ok(&[
-        "storm", "--url", &url, "--ca-file", &ca, "-n", "40", "--pause", "500ms",
+        "storm",
+        "--url",
+        &url,
+        "--ca-file",
+        &ca,
+        "-n",
+        "40",
+        "--pause",
+        "500ms",
     ])
     .await;
     assert_eq!(u(&report["accepted"]), 40, "{report}");
     assert!(
-        report["tls"].as_str().is_some_and(|tls| tls.starts_with("TLSv1_3")),
+        report["tls"]
+            .as_str()
+            .is_some_and(|tls| tls.starts_with("TLSv1_3")),
         "{report}"
     );
     let report = run_ok(&[
-        "fanout", "--url", &url, "--ca-file", &ca, "-n", "20", "--mode", "broadcast", "--rate",
-        "5", "--duration", "2s",
+        "fanout",
+        "--url",
+        &url,
+        "--ca-file",
+        &ca,
+        "-n",
+        "20",
+        "--mode",
+        "broadcast",
+        "--rate",
+        "5",
+        "--duration",
+        "2s",
     ])
     .await;
     assert_eq!(u(&report["deliveries"]["lost"]), 0, "{report}");
     assert!(u(&report["deliveries"]["distinct"]) > 0, "{report}");
-    let report = run_ok(&["idle", "--url", &url, "--ca-file", &ca, "-n", "20", "--settle", "500ms"]).await;
-    assert!(report["bytes_per_connection"].as_f64().is_some(), "{report}");
+    let report = run_ok(&[
+        "idle",
+        "--url",
+        &url,
+        "--ca-file",
+        &ca,
+        "-n",
+        "20",
+        "--settle",
+        "500ms",
+    ])
+    .await;
+    assert!(
+        report["bytes_per_connection"].as_f64().is_some(),
+        "{report}"
+    );
 
     let stranger = support::tls::TestPki::new("another CA");
     let (code, _, text) = loadtest(&[

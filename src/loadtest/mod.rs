@@ -133,7 +133,9 @@ pub struct TlsClient {
 
 impl std::fmt::Debug for TlsClient {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("TlsClient").field("name", &self.name).finish()
+        f.debug_struct("TlsClient")
+            .field("name", &self.name)
+            .finish()
     }
 }
 

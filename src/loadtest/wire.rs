@@ -250,10 +250,7 @@ pub async fn request(
 }
 
 /// Reads one complete response with a `Content-Length` or chunked body.
-pub async fn read_response(
-    stream: &mut Conn,
-    buf: &mut Vec<u8>,
-) -> io::Result<(u16, Vec<u8>)> {
+pub async fn read_response(stream: &mut Conn, buf: &mut Vec<u8>) -> io::Result<(u16, Vec<u8>)> {
     let head = read_head(stream, buf).await?;
     let mut body = Vec::new();
     if head.chunked {

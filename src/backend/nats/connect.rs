@@ -211,12 +211,14 @@ fn read_secret(key: &'static str, path: &Path) -> Result<Secret, NatsFileError> 
 /// What `crate::tls` found wrong with a TLS file, as the file error of its key.
 fn tls_file(key: &'static str, path: &Path, error: crate::tls::TlsError) -> NatsFileError {
     use crate::tls::TlsError;
-    let (problem, cause): (String, Option<Box<dyn std::error::Error + Send + Sync>>) = match error
-    {
+    let (problem, cause): (String, Option<Box<dyn std::error::Error + Send + Sync>>) = match error {
         TlsError::Read { source, .. } => ("cannot be read".into(), Some(source.into())),
         TlsError::Missing { what, .. } => (format!("holds no PEM {what}"), None),
         TlsError::Pem { source, .. } => ("is not PEM".into(), Some(Box::new(source))),
-        TlsError::Key { source, .. } => ("holds a key that cannot sign".into(), Some(Box::new(source))),
+        TlsError::Key { source, .. } => (
+            "holds a key that cannot sign".into(),
+            Some(Box::new(source)),
+        ),
         other => ("cannot be used".into(), Some(Box::new(other))),
     };
     file_error(key, path, &problem, cause)
@@ -238,20 +240,20 @@ fn tls(options: ConnectOptions, nats: &NatsConfig) -> Result<ConnectOptions, Nat
         let private =
             tls::private_key(key).map_err(|error| tls_file("nats.tls_key_file", key, error))?;
         rustls::ClientConfig::builder_with_provider(tls::provider())
-        .with_safe_default_protocol_versions()
-        .and_then(|builder| {
-            builder
-                .with_root_certificates(rustls::RootCertStore::empty())
-                .with_client_auth_cert(chain, private)
-        })
-        .map_err(|error| {
-            file_error(
-                "nats.tls_key_file",
-                key,
-                &format!("does not fit the certificate in {}", cert.display()),
-                Some(error.into()),
-            )
-        })?;
+            .with_safe_default_protocol_versions()
+            .and_then(|builder| {
+                builder
+                    .with_root_certificates(rustls::RootCertStore::empty())
+                    .with_client_auth_cert(chain, private)
+            })
+            .map_err(|error| {
+                file_error(
+                    "nats.tls_key_file",
+                    key,
+                    &format!("does not fit the certificate in {}", cert.display()),
+                    Some(error.into()),
+                )
+            })?;
         options = options.add_client_certificate(cert.to_path_buf(), key.to_path_buf());
     }
     Ok(options)

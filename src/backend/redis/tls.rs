@@ -15,7 +15,7 @@
 //! when that is a name (one certificate for the cluster's name, as managed services issue), and
 //! against the IP itself when the seed is an IP address.
 
-use std::{net::IpAddr, path::Path, sync::Arc};
+use std::{net::IpAddr, sync::Arc};
 
 use fred::types::config::{HostMapping, TlsConfig, TlsConnector, TlsHostMapping};
 use rustls::{
