@@ -573,8 +573,9 @@ async fn cors_for_configured_origin_only() {
         "a browser can only read the error with the CORS grant"
     );
 
+    // With auth none an origin that is not listed may not publish at all (tests/browser.rs).
     let resp = post("https://evil.example", body).await;
-    assert_eq!(resp.status, 201);
+    assert_eq!(resp.status, 403, "{}", resp.text());
     assert_eq!(resp.header("access-control-allow-origin"), None);
 
     let resp = http::request(
@@ -680,7 +681,8 @@ async fn no_cors_headers_without_configuration() {
         Some(br#"{"device":"pos-1","data":"x"}"#),
     )
     .await;
-    assert_eq!(resp.status, 201);
+    // Refused: with auth none no origin may publish unless listed (tests/browser.rs).
+    assert_eq!(resp.status, 403, "{}", resp.text());
     let preflight = http::request(
         addr,
         "OPTIONS",
