@@ -7,14 +7,16 @@
 
 mod support;
 
+use support::nats::{shard, subject};
+use support::sse::resync_reason;
+
 use std::time::Duration;
 
 use async_nats::jetstream::stream;
-use serde_json::Value;
 use support::{
     live_stream, metrics,
     nats::{headers, produce, stream_state, NatsServer},
-    publish_to, stream_path, Hub, SseClient, SseEvent, SseNext,
+    publish_to, stream_path, Hub, SseClient, SseNext,
 };
 
 const WAIT: Duration = Duration::from_secs(20);
@@ -24,20 +26,6 @@ fn nats_hub(url: &str) -> support::hub::HubBuilder {
     Hub::builder()
         .env("POSTHORN_BACKEND__KIND", "nats")
         .env("POSTHORN_NATS__URL", url)
-}
-
-fn resync_reason(event: &SseEvent) -> String {
-    assert_eq!(event.event, "resync", "expected a resync, got {event:?}");
-    let data: Value = serde_json::from_str(&event.data).expect("resync data is JSON");
-    data["reason"].as_str().expect("reason").to_string()
-}
-
-fn shard(device: &str) -> u32 {
-    crc32fast::hash(device.as_bytes()) % 64
-}
-
-fn subject(device: &str) -> String {
-    format!("posthorn.ev.{}", shard(device))
 }
 
 /// JetStream specifics of external producers (what every backend does with them is the

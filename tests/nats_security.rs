@@ -10,11 +10,13 @@
 
 mod support;
 
+use support::nats::{shard, subject};
+use support::sse::resync_reason;
+
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use async_nats::jetstream::{self, consumer::pull, stream};
-use serde_json::Value;
 use support::{
     http,
     hub::HubBuilder,
@@ -22,7 +24,7 @@ use support::{
     nats::{headers, NatsServer},
     publish_to, stream_path,
     tls::TestPki,
-    Hub, SseClient, SseEvent, SseNext,
+    Hub, SseClient, SseNext,
 };
 
 const WAIT: Duration = Duration::from_secs(20);
@@ -575,20 +577,6 @@ impl LeastPrivilege {
             .map(str::to_string)
             .collect()
     }
-}
-
-fn resync_reason(event: &SseEvent) -> String {
-    assert_eq!(event.event, "resync", "expected a resync, got {event:?}");
-    let data: Value = serde_json::from_str(&event.data).expect("resync data is JSON");
-    data["reason"].as_str().expect("reason").to_string()
-}
-
-fn shard(device: &str) -> u32 {
-    crc32fast::hash(device.as_bytes()) % 64
-}
-
-fn subject(device: &str) -> String {
-    format!("posthorn.ev.{}", shard(device))
 }
 
 /// The hub as the least-privilege hub user does everything it does: adopts an existing stream

@@ -8,6 +8,8 @@
 
 mod support;
 
+use support::sse::resync_reason;
+
 use std::time::Duration;
 
 use serde_json::{json, Value};
@@ -29,12 +31,6 @@ fn redis_hub(url: &str) -> support::hub::HubBuilder {
 
 async fn publish(hub: &Hub, event: Value) -> http::HttpResponse {
     http::post_json(hub.addr(), "/v1/events", &event).await
-}
-
-fn resync_reason(event: &SseEvent) -> String {
-    assert_eq!(event.event, "resync", "expected a resync, got {event:?}");
-    let data: Value = serde_json::from_str(&event.data).expect("resync data is JSON");
-    data["reason"].as_str().expect("reason").to_string()
 }
 
 fn crc_shard(device: &str, shards: u32) -> u32 {

@@ -6,10 +6,11 @@
 
 mod support;
 
+use support::sse::resync_reason;
+
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use serde_json::Value;
 use support::{
     http, live_stream, publish_to,
     redis::{RedisBuilder, RedisCluster, RedisServer, RedisTls},
@@ -50,12 +51,6 @@ fn device_where(wanted: impl Fn(u32) -> bool) -> String {
         .map(|i| format!("dev-{i}"))
         .find(|device| wanted(crc_shard(device, 64)))
         .expect("some device")
-}
-
-fn resync_reason(event: &support::SseEvent) -> String {
-    assert_eq!(event.event, "resync", "expected a resync, got {event:?}");
-    let data: Value = serde_json::from_str(&event.data).expect("resync data is JSON");
-    data["reason"].as_str().expect("reason").to_string()
 }
 
 /// The output of a hub that must not start.

@@ -87,11 +87,7 @@ pub async fn publish_until_accepted(hub: &Hub, device: &str, data: &str) -> Stri
 }
 
 /// The reason of a `resync` event (panics on anything else).
-pub fn resync_reason(event: &SseEvent) -> String {
-    assert_eq!(event.event, "resync", "expected a resync, got {event:?}");
-    let data: Value = serde_json::from_str(&event.data).expect("resync data is JSON");
-    data["reason"].as_str().expect("reason").to_string()
-}
+pub use support::sse::resync_reason;
 
 /// The epoch part of a cursor (`<epoch>.<shard>.<position>`).
 pub fn epoch_of(id: &str) -> &str {

@@ -515,3 +515,13 @@ pub async fn stream_state(
         .state
         .clone()
 }
+
+/// `device`'s shard with the default 64 shards.
+pub fn shard(device: &str) -> u32 {
+    crc32fast::hash(device.as_bytes()) % 64
+}
+
+/// The subject of `device`'s shard with the default prefix and 64 shards.
+pub fn subject(device: &str) -> String {
+    format!("posthorn.ev.{}", shard(device))
+}

@@ -450,3 +450,10 @@ pub async fn is_closed_within(stream: &mut TcpStream, timeout: Duration) -> bool
         }
     }
 }
+
+/// The `reason` of a `resync` event; fails the test on any other event.
+pub fn resync_reason(event: &SseEvent) -> String {
+    assert_eq!(event.event, "resync", "expected a resync, got {event:?}");
+    let data: serde_json::Value = serde_json::from_str(&event.data).expect("resync data is JSON");
+    data["reason"].as_str().expect("reason").to_string()
+}
