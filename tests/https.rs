@@ -306,6 +306,88 @@ async fn clients_verify_the_certificate() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// The value of a metric without labels, read over HTTPS.
+async fn https_metric(hub: &Hub, ca_file: &Path, name: &str) -> f64 {
+    let scrape = https_request(hub.addr(), ca_file, "GET", "/metrics", &[], None).await;
+    support::metrics::Scrape::parse(&scrape.text()).value_or_zero(name, &[])
+}
+
+/// A client that opens a TCP connection and never starts its TLS handshake is dropped when the
+/// handshake time is up, as a plain client that never finishes its request head is.
+#[tokio::test]
+async fn a_silent_tls_client_is_dropped() {
+    let mut pki = TestPki::new("CA");
+    let hub = Hub::builder()
+        .https(&pki.server_cert(), pki.ca_file())
+        .start()
+        .await;
+    let mut silent = tokio::net::TcpStream::connect(hub.addr()).await.unwrap();
+    assert!(
+        support::sse::is_closed_within(&mut silent, WAIT).await,
+        "a connection without a handshake must be dropped"
+    );
+}
+
+/// A TLS client that stops reading fills its queue and is evicted like a plain one, and no stream
+/// is left open.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tls_client_that_stops_reading_is_evicted() {
+    use tokio::io::AsyncWriteExt;
+
+    let mut pki = TestPki::new("CA");
+    let hub = Hub::builder()
+        .https(&pki.server_cert(), pki.ca_file())
+        .env("POSTHORN_SSE__QUEUE_LIMIT", "64")
+        .env("POSTHORN_SSE__SEND_BUFFER", "4096")
+        .env("POSTHORN_SSE__STALL_TIMEOUT", "0s")
+        .start()
+        .await;
+    let ca = pki.ca_file();
+    let mut stalled = support::tls::connect(hub.addr(), ca).await.unwrap();
+    stalled
+        .write_all(
+            b"GET /v1/devices/stalled-1/events HTTP/1.1\r\nHost: localhost\r\nAccept: text/event-stream\r\n\r\n",
+        )
+        .await
+        .unwrap();
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while https_metric(&hub, ca, "sse_connections").await < 1.0 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the stream did not open"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // About 400 KB: far beyond the queue (64 events), the socket and the capped TLS buffer.
+    let payload = "x".repeat(1024);
+    for i in 0..400 {
+        let body =
+            serde_json::to_vec(&json!({ "broadcast": true, "data": format!("{i}:{payload}") }))
+                .unwrap();
+        let response = https_request(
+            hub.addr(),
+            ca,
+            "POST",
+            "/v1/events",
+            &[("Content-Type", "application/json")],
+            Some(&body),
+        )
+        .await;
+        assert_eq!(response.status, 201, "{}", response.text());
+        if https_metric(&hub, ca, "sse_slow_consumer_disconnects_total").await >= 1.0 {
+            break;
+        }
+    }
+    while https_metric(&hub, ca, "sse_slow_consumer_disconnects_total").await < 1.0 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the stalled TLS client was not evicted"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(https_metric(&hub, ca, "sse_connections").await, 0.0);
+}
+
 /// A pair that does not load stops start-up with exit 64, naming the keys and the reason.
 #[tokio::test]
 async fn a_bad_certificate_stops_start_up() {
