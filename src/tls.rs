@@ -136,29 +136,14 @@ pub fn root_store(ca_file: Option<&Path>) -> Result<RootCertStore, TlsError> {
     Ok(roots)
 }
 
-/// What the hub presents and trusts as a TLS client: `ca_file` (or the system's authorities),
-/// and a certificate for mutual TLS.
-pub struct ClientTls<'a> {
-    pub ca_file: Option<&'a Path>,
-    pub identity: Option<(&'a Path, &'a Path)>,
-}
-
-impl ClientTls<'_> {
-    pub fn config(&self) -> Result<ClientConfig, TlsError> {
-        let builder = ClientConfig::builder_with_provider(provider())
-            .with_safe_default_protocol_versions()
-            .map_err(TlsError::Setup)?
-            .with_root_certificates(root_store(self.ca_file)?);
-        match self.identity {
-            None => Ok(builder.with_no_client_auth()),
-            Some((cert, key)) => builder
-                .with_client_auth_cert(certificates(cert)?, private_key(key)?)
-                .map_err(|source| TlsError::Key {
-                    path: key.into(),
-                    source,
-                }),
-        }
-    }
+/// A TLS client configuration trusting `ca_file` (or the system's authorities), without a
+/// client certificate.
+pub fn client_config(ca_file: Option<&Path>) -> Result<ClientConfig, TlsError> {
+    Ok(ClientConfig::builder_with_provider(provider())
+        .with_safe_default_protocol_versions()
+        .map_err(TlsError::Setup)?
+        .with_root_certificates(root_store(ca_file)?)
+        .with_no_client_auth())
 }
 
 fn read(path: &Path) -> Result<Vec<u8>, TlsError> {

@@ -13,7 +13,10 @@ use serde::{Serialize, Serializer};
 use super::error::{invalid, ConfigError};
 use super::raw::RawNats;
 use super::secret::RedactedUrl;
-use super::value::{duration, int_in, name_chars, serialize_duration, shards};
+use super::value::{
+    duration, int_in, name_chars, optional_path, serialize_duration, serialize_optional_path,
+    shards,
+};
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct NatsConfig {
@@ -30,12 +33,12 @@ pub struct NatsConfig {
     /// Replicas of the stream when the hub creates it (in a JetStream cluster: 3 or 5).
     pub replicas: usize,
     /// CA certificates (PEM) the server's certificate must chain to, instead of the system's.
-    #[serde(serialize_with = "path_or_empty")]
+    #[serde(serialize_with = "serialize_optional_path")]
     pub tls_ca_file: Option<PathBuf>,
     /// Client certificate and key (PEM) for mutual TLS; both or neither.
-    #[serde(serialize_with = "path_or_empty")]
+    #[serde(serialize_with = "serialize_optional_path")]
     pub tls_cert_file: Option<PathBuf>,
-    #[serde(serialize_with = "path_or_empty")]
+    #[serde(serialize_with = "serialize_optional_path")]
     pub tls_key_file: Option<PathBuf>,
     /// Shown as the five keys of the file, paths and user name only.
     #[serde(flatten)]
@@ -128,7 +131,7 @@ impl TryFrom<RawNats> for NatsConfig {
         })?;
         subject_prefix("nats.subject_prefix", &raw.subject_prefix)?;
         let url: Vec<RedactedUrl> = raw.url.split(',').map(RedactedUrl::new).collect();
-        let path = |value: &str| (!value.is_empty()).then(|| PathBuf::from(value));
+        let path = |value: &str| optional_path(value.to_string());
         let (tls_cert_file, tls_key_file) = (path(&raw.tls_cert_file), path(&raw.tls_key_file));
         if tls_cert_file.is_some() != tls_key_file.is_some() {
             let (set, unset) = if tls_cert_file.is_some() {
@@ -173,7 +176,7 @@ impl TryFrom<RawNats> for NatsConfig {
 /// The one kind of credentials the section sets: two kinds, or half of a user and password, is
 /// an error naming the keys.
 fn credentials(raw: &RawNats) -> Result<NatsCredentials, ConfigError> {
-    let path = |value: &str| (!value.is_empty()).then(|| PathBuf::from(value));
+    let path = |value: &str| optional_path(value.to_string());
     let user_password = match (raw.user.is_empty(), path(&raw.password_file)) {
         (true, None) => None,
         (false, Some(password_file)) => Some(NatsCredentials::UserPassword {
@@ -226,13 +229,6 @@ fn credentials_key(credentials: &NatsCredentials) -> &'static str {
         NatsCredentials::NkeySeedFile(_) => "nats.nkey_seed_file",
         NatsCredentials::UserPassword { .. } => "nats.user",
         NatsCredentials::TokenFile(_) => "nats.token_file",
-    }
-}
-
-fn path_or_empty<S: Serializer>(path: &Option<PathBuf>, s: S) -> Result<S::Ok, S::Error> {
-    match path {
-        Some(path) => s.collect_str(&path.display()),
-        None => s.serialize_str(""),
     }
 }
 

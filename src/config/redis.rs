@@ -5,16 +5,17 @@
 //! Only the combinations are checked here; the files are read where the backend is built, once
 //! at start-up (`backend::redis::setup`), so that the configuration stays a value without secrets.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Duration;
 
-use serde::{Serialize, Serializer};
+use serde::Serialize;
 
 use super::error::{invalid, ConfigError};
 use super::raw::RawRedis;
 use super::secret::{redact_url, RedactedUrl};
 use super::value::{
-    duration, format_duration, int_in, name_chars, serialize_duration, shards, MAX_SHARDS,
+    duration, format_duration, int_in, name_chars, optional_path, serialize_duration,
+    serialize_optional_path, shards, MAX_SHARDS,
 };
 
 /// Longest `redis.block`.
@@ -35,17 +36,17 @@ pub struct RedisConfig {
     pub retention: Duration,
     pub max_len: usize,
     /// CA certificates (PEM) that sign the servers' certificates; `None`: the system's roots.
-    #[serde(serialize_with = "path_or_empty")]
+    #[serde(serialize_with = "serialize_optional_path")]
     pub tls_ca_file: Option<PathBuf>,
     /// Client certificate and key (PEM) for mutual TLS: both or neither.
-    #[serde(serialize_with = "path_or_empty")]
+    #[serde(serialize_with = "serialize_optional_path")]
     pub tls_cert_file: Option<PathBuf>,
-    #[serde(serialize_with = "path_or_empty")]
+    #[serde(serialize_with = "serialize_optional_path")]
     pub tls_key_file: Option<PathBuf>,
     /// ACL user; empty: the user of the URL, or `default`.
     pub username: String,
     /// File holding the password (the file is shown, never what it holds).
-    #[serde(serialize_with = "path_or_empty")]
+    #[serde(serialize_with = "serialize_optional_path")]
     pub password_file: Option<PathBuf>,
 }
 
@@ -155,15 +156,6 @@ fn url_user_info(url: &str) -> (Option<&str>, Option<&str>) {
         Some(user).filter(|u| !u.is_empty()),
         password.filter(|p| !p.is_empty()),
     )
-}
-
-fn optional_path(text: String) -> Option<PathBuf> {
-    (!text.is_empty()).then(|| PathBuf::from(text))
-}
-
-/// An unset file is shown as "", as it is written in the file.
-fn path_or_empty<S: Serializer>(path: &Option<PathBuf>, s: S) -> Result<S::Ok, S::Error> {
-    s.collect_str(&path.as_deref().unwrap_or(Path::new("")).display())
 }
 
 impl TryFrom<RawRedis> for RedisConfig {

@@ -149,12 +149,8 @@ impl TlsClient {
             .trim_end_matches(']');
         let name = rustls::pki_types::ServerName::try_from(name.to_string())
             .map_err(|error| format!("{name:?} cannot be a TLS server name: {error}"))?;
-        let mut config = crate::tls::ClientTls {
-            ca_file: args.ca_file.as_deref(),
-            identity: None,
-        }
-        .config()
-        .map_err(|error| crate::report::Report(&error).to_string())?;
+        let mut config = crate::tls::client_config(args.ca_file.as_deref())
+            .map_err(|error| crate::report::Report(&error).to_string())?;
         config.resumption = rustls::client::Resumption::disabled();
         Ok(Self {
             connector: tokio_rustls::TlsConnector::from(std::sync::Arc::new(config)),

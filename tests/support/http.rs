@@ -1,4 +1,5 @@
-//! Minimal HTTP/1.1 client over a raw tokio `TcpStream`, plus the pieces the
+//! Minimal HTTP/1.1 client over a raw tokio `TcpStream` (or, through [`exchange`], any stream:
+//! `tls.rs` runs it over TLS), plus the pieces the
 //! SSE client shares with it: response-head parsing and body framing (the
 //! chunked decoder is the reference client's).
 //!

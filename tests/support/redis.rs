@@ -156,8 +156,9 @@ fn encode_command<A: AsRef<[u8]>>(args: &[A]) -> Vec<u8> {
     out
 }
 
-/// A plain RESP2 connection: one command, one reply, in order. The protocol (encoding and
-/// decoding) is the redis-protocol crate's; what is left here is a socket and a timeout.
+/// A RESP2 connection, over TLS and with an ACL user where the server asks for them: one
+/// command, one reply, in order. The protocol (encoding and decoding) is the redis-protocol
+/// crate's; what is left here is a socket and a timeout.
 #[derive(Debug)]
 pub struct RespClient {
     stream: Box<dyn Connection>,

@@ -2,7 +2,8 @@
 //! CA ([`TestPki`]) that signs server certificates for loopback names and client certificates for
 //! mutual TLS, all written as PEM files into a temporary directory removed with the PKI.
 //!
-//! A second, unrelated [`TestPki`] is the CA a client must refuse.
+//! A second, unrelated [`TestPki`] is the CA a client must refuse. Also the harness's HTTPS
+//! client: [`connect`], [`try_https_request`] and [`https_request`], verified against a CA file.
 
 use std::{
     io,
@@ -34,7 +35,6 @@ pub struct TestPki {
     dir: PathBuf,
     issuer: Issuer<'static, KeyPair>,
     ca_file: PathBuf,
-    ca_pem: String,
     issued: usize,
 }
 
@@ -59,7 +59,6 @@ impl TestPki {
             dir,
             issuer: Issuer::new(params, key),
             ca_file,
-            ca_pem,
             issued: 0,
         }
     }
@@ -67,10 +66,6 @@ impl TestPki {
     /// The CA certificate as a PEM file: what a client trusts.
     pub fn ca_file(&self) -> &Path {
         &self.ca_file
-    }
-
-    pub fn ca_pem(&self) -> &str {
-        &self.ca_pem
     }
 
     pub fn dir(&self) -> &Path {

@@ -215,10 +215,6 @@ fn tls_file(key: &'static str, path: &Path, error: crate::tls::TlsError) -> Nats
         TlsError::Read { source, .. } => ("cannot be read".into(), Some(source.into())),
         TlsError::Missing { what, .. } => (format!("holds no PEM {what}"), None),
         TlsError::Pem { source, .. } => ("is not PEM".into(), Some(Box::new(source))),
-        TlsError::Key { source, .. } => (
-            "holds a key that cannot sign".into(),
-            Some(Box::new(source)),
-        ),
         other => ("cannot be used".into(), Some(Box::new(other))),
     };
     file_error(key, path, &problem, cause)

@@ -190,7 +190,8 @@ fn build_client(config: Config) -> Result<Client, BackendError> {
 }
 
 impl RedisBackend {
-    /// Connects every client; fails when Redis cannot be reached within [`CONNECT_TIMEOUT`].
+    /// Connects every client; fails when Redis cannot be reached within [`CONNECT_TIMEOUT`], its
+    /// certificate does not verify, or it refuses the credentials.
     /// `setup` is [`ConnectionSetup::read`] of the same `[redis]` section.
     pub async fn connect(settings: RedisSettings, setup: &ConnectionSetup) -> BackendResult<Self> {
         let redis = &settings.redis;
