@@ -211,6 +211,52 @@ async fn periodic_trim_bounds_external_streams() {
     drop(hub);
 }
 
+/// A shard whose entries all aged out (the tail had read them) and that then gets a new one
+/// missed nothing: its live stream gets the new event, not a needless `resync` `expired`,
+/// although the tail's last position is no longer stored.
+#[tokio::test]
+async fn a_stream_that_aged_out_goes_on_without_resync() {
+    let redis = RedisServer::builder()
+        .config("stream-node-max-entries", "1")
+        .start()
+        .await;
+    let hub = redis_hub(&redis.url())
+        .env("POSTHORN_REDIS__RETENTION", "2s")
+        .start()
+        .await;
+    let device = "pos-idle";
+    let mut client = live_stream(&hub, device).await;
+    publish_to(&hub, device, "e1").await;
+    assert_eq!(client.expect_event(WAIT).await.data, "e1");
+    let key = format!("pos-ev:{}", crc_shard(device, 64));
+    let mut admin = redis.client().await;
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while admin.xlen(&key).await > 0 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "retention never applied"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    // Past the tail's periodic check (every 2 s) with nothing stored.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    publish_to(&hub, device, "e2").await;
+    let next = client.expect_event(WAIT).await;
+    assert_eq!(
+        (next.event.as_str(), next.data.as_str()),
+        ("test", "e2"),
+        "the live stream goes on"
+    );
+    let scrape = support::metrics::scrape(hub.addr()).await;
+    assert_eq!(
+        scrape
+            .value("sse_resyncs_total", &[("reason", "expired")])
+            .unwrap_or(0.0),
+        0.0,
+        "no resync was sent"
+    );
+}
+
 /// Entries appended and trimmed away while the tail could not read (here its user lost the
 /// XREAD permission for a while) are not silently skipped: the connections of that shard get
 /// `resync` `expired`, then the events that are still there.

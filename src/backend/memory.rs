@@ -240,17 +240,20 @@ impl Backend for MemoryBackend {
         after: Position,
         limit: usize,
     ) -> BoxFuture<'_, BackendResult<ReadPage>> {
-        let events: Vec<StoredEvent> = {
+        let (events, trimmed_through) = {
             let state = self.inner.lock();
             let log = &state.shards[shard as usize];
             let start = log.first_after(after);
-            log.entries.range(start..).take(limit).cloned().collect()
+            let events: Vec<StoredEvent> =
+                log.entries.range(start..).take(limit).cloned().collect();
+            (events, log.trimmed_through)
         };
         let page = ReadPage {
             epoch: self.inner.epoch.clone(),
             read: events.len(),
             last: events.last().map(|event| event.position),
             events,
+            trimmed_through,
         };
         async move { Ok(page) }.boxed()
     }

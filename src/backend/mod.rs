@@ -18,7 +18,10 @@
 //!   after it). A gap is reported before any event after it.
 //! - **Trimming** keeps `retention` (by age, on the backend's clock) and a length cap per shard.
 //!   `ShardState::trimmed_through` is the highest position that may have been removed: a cursor
-//!   below it may have missed entries.
+//!   below it may have missed entries. Trimming may overtake any reader: a tail reports entries
+//!   removed before it read them as an `expired` gap, and a page of `read_after` carries the
+//!   `trimmed_through` of its read, so that a replay whose next entries were removed under it
+//!   resyncs instead of jumping.
 //! - **Idempotency** is atomic with the append and scoped to the item's target: an item whose key
 //!   was accepted for the same device (or for a broadcast) within the dedupe window is not
 //!   appended again and returns the original cursor.
@@ -160,6 +163,10 @@ pub struct ReadPage {
     pub read: usize,
     /// Position of the last entry read (delivered or not): the next page starts after it.
     pub last: Option<Position>,
+    /// [`ShardState::trimmed_through`] as of the read (or after it). Above the position the page
+    /// was read after, entries after it may have been removed before they were read: the page
+    /// does not continue the reader's and it must resync.
+    pub trimmed_through: Position,
 }
 
 /// The resume-relevant state of one shard.

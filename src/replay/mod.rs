@@ -8,7 +8,9 @@
 //!
 //! Not an actor: each Connection runs its own replay as a future, and they meet here. A replay
 //! sends either every retained event of its device after the cursor, or one `resync`, through
-//! the connection's replay channel, then `ReplayEnd`. A replay whose client takes nothing for
+//! the connection's replay channel, then `ReplayEnd`; when trimming overtakes it midway (a
+//! client reading slowly at the edge of retention), a `resync` `expired` where entries were
+//! removed, then what is left. A replay whose client takes nothing for
 //! `sse.stall_timeout` gives its slot up (the Connection evicts the client). While it waits for a
 //! slot, its stream gets a `: ping` every `sse.heartbeat` through the replay channel (the body
 //! reads nothing else before the replay ends), so a waiting client does not take the silence
@@ -162,6 +164,14 @@ impl Replayer {
                 let start = Cursor::new(state.epoch, shard, state.start);
                 send(resync(&start, ResyncReason::DataLost)).await?;
                 (epoch, after) = (start.epoch, start.position);
+                continue;
+            }
+            if let Some(removed_through) = page.overtaken {
+                // Trimming overtook the replay (the client read slowly at the edge of retention):
+                // what it missed is said, and the replay goes on with what is left.
+                let overtaken = Cursor::new(epoch.clone(), shard, removed_through);
+                send(resync(&overtaken, ResyncReason::Expired)).await?;
+                after = removed_through;
                 continue;
             }
             for event in page

@@ -62,6 +62,9 @@ pub struct Page {
     pub last: Option<Position>,
     /// Nothing more was stored before the replay's stream registered: the replay is complete.
     pub done: bool,
+    /// Trimming removed entries after the position asked about before they were read, through
+    /// this position: the page holds nothing, and the replay resyncs and continues after it.
+    pub overtaken: Option<Position>,
 }
 
 pub struct Window {
@@ -113,11 +116,22 @@ impl Window {
                 events: Vec::new(),
                 last: None,
                 done: true,
+                overtaken: None,
             });
         }
         let started = Instant::now();
         let page = backend.read_after(self.shard, after, REPLAY_PAGE).await?;
         metrics.replay_entries_read.inc_by(page.read as u64);
+        if page.trimmed_through > after && page.epoch == *epoch {
+            // Not contiguous with what the reader (and the window) had: nothing of it is kept.
+            return Ok(Page {
+                epoch: page.epoch,
+                events: Vec::new(),
+                last: None,
+                done: false,
+                overtaken: Some(page.trimmed_through),
+            });
+        }
         let done = page.read < REPLAY_PAGE;
         let reached = page.last.unwrap_or(after);
         let end_seen = done.then_some(started);
@@ -162,6 +176,7 @@ impl Window {
             events: page.events,
             last: page.last,
             done,
+            overtaken: None,
         })
     }
 }
@@ -192,6 +207,7 @@ impl Cached {
             events,
             last,
             done: false,
+            overtaken: None,
         }
     }
 

@@ -94,6 +94,9 @@ pub enum Fault {
     RestartLosingDataUnderTheHub,
     /// Serve several pods from one store.
     SharedStore,
+    /// Cap the entries kept per shard (`memory.max_len`, `redis.max_len`), applied as the hub
+    /// appends.
+    LengthCap,
     /// Be unreachable when a hub starts.
     Unreachable,
     /// Remember no idempotency key when `publish.dedupe_window` is 0 s.
@@ -110,6 +113,7 @@ impl Fault {
             Fault::Outage => "outage",
             Fault::RestartLosingDataUnderTheHub => "restart losing the data under a running hub",
             Fault::SharedStore => "pods sharing a store",
+            Fault::LengthCap => "a length cap applied on append",
             Fault::Unreachable => "unreachable backend",
             Fault::ZeroDedupeWindow => "a dedupe window of 0 s",
         }
@@ -172,6 +176,9 @@ impl Env {
             }
             (Kind::Nats, LoseOneStream) => {
                 Some("one JetStream stream holds every shard: losing it loses them all")
+            }
+            (Kind::Nats, LengthCap) => {
+                Some("the hub's JetStream stream keeps messages by age only")
             }
             (Kind::Memory, Outage) => Some("the memory backend is never unreachable"),
             (Kind::Memory, SharedStore) => Some("a memory backend belongs to one pod"),
@@ -238,6 +245,17 @@ impl Env {
                 .env("POSTHORN_REDIS__BLOCK", "1s"),
             Servers::Nats(nats) => builder.env("POSTHORN_NATS__URL", nats.url()),
         }
+    }
+
+    /// A hub that keeps at most about `cap` entries per shard, trimming as it appends (Redis
+    /// trims whole stream nodes, so it keeps up to a node more).
+    pub fn hub_with_length_cap(&self, cap: usize) -> HubBuilder {
+        let key = match self.kind {
+            Kind::Memory => "POSTHORN_MEMORY__MAX_LEN",
+            Kind::RedisStandalone | Kind::RedisCluster => "POSTHORN_REDIS__MAX_LEN",
+            Kind::Nats => self.cannot(Fault::LengthCap),
+        };
+        self.hub().env(key, cap.to_string())
     }
 
     /// A hub on this backend with its default settings.

@@ -25,6 +25,7 @@ mod order;
 mod outage;
 mod producers;
 mod resume;
+mod trim;
 
 use std::time::Duration;
 
@@ -201,4 +202,6 @@ conformance! {
     loss::a_restart_without_the_store_gives_data_lost,
     outage::an_outage_loses_nothing,
     outage::an_unreachable_backend_fails_start_up,
+    trim::trimming_ahead_of_the_tail_gives_expired,
+    trim::trimming_during_a_replay_gives_expired,
 }

@@ -67,7 +67,9 @@ use async_nats::{
         self,
         consumer::{pull, AckPolicy, DeliverPolicy},
         context::{GetStreamErrorKind, PublishErrorKind},
-        stream::{self, LastRawMessageErrorKind, RetentionPolicy, StorageType},
+        stream::{
+            self, LastRawMessageErrorKind, RetentionPolicy, State as StreamState, StorageType,
+        },
     },
     HeaderMap,
 };
@@ -551,8 +553,11 @@ impl Inner {
                 ))
             }
         }
+        // Read after the fetch: retention only moves forward, so what it had not removed by now
+        // it had not removed while the page was read either.
         let info = self.stream_info().await?;
         let epoch = layout::epoch_of(info.created.unix_timestamp_nanos());
+        let trimmed = self.trimmed_through(shard, &info.state).await?;
         if epoch != reading {
             for event in &mut events {
                 event.epoch = epoch.clone();
@@ -563,6 +568,7 @@ impl Inner {
             events,
             read,
             last,
+            trimmed_through: layout::position(trimmed),
         })
     }
 
@@ -570,24 +576,7 @@ impl Inner {
         let info = self.stream_info().await?;
         let epoch = layout::epoch_of(info.created.unix_timestamp_nanos());
         let state = &info.state;
-        let trimmed = match Removed::of(state.first_sequence, state.last_sequence, state.messages) {
-            Removed::Through(sequence) => sequence,
-            Removed::Interior { front, last } => {
-                let first_of_shard = match self
-                    .jetstream
-                    .get_stream_no_info(&self.layout.stream)
-                    .await
-                    .map_err(|error| unavailable("stream", error))?
-                    .get_first_raw_message_by_subject(self.layout.subject(shard), front + 1)
-                    .await
-                {
-                    Ok(message) => Some(message.sequence),
-                    Err(error) if error.kind() == LastRawMessageErrorKind::NoMessageFound => None,
-                    Err(error) => return Err(unavailable("first message of a shard", error)),
-                };
-                Removed::shard_through(front, last, first_of_shard)
-            }
-        };
+        let trimmed = self.trimmed_through(shard, state).await?;
         Ok(ShardState {
             epoch,
             start: Position::ZERO,
@@ -595,6 +584,32 @@ impl Inner {
             trimmed_through: layout::position(trimmed),
             probe: None,
         })
+    }
+
+    /// The highest sequence that may have been removed from `shard` (the module doc says how).
+    async fn trimmed_through(&self, shard: u32, state: &StreamState) -> BackendResult<u64> {
+        Ok(
+            match Removed::of(state.first_sequence, state.last_sequence, state.messages) {
+                Removed::Through(sequence) => sequence,
+                Removed::Interior { front, last } => {
+                    let first_of_shard = match self
+                        .jetstream
+                        .get_stream_no_info(&self.layout.stream)
+                        .await
+                        .map_err(|error| unavailable("stream", error))?
+                        .get_first_raw_message_by_subject(self.layout.subject(shard), front + 1)
+                        .await
+                    {
+                        Ok(message) => Some(message.sequence),
+                        Err(error) if error.kind() == LastRawMessageErrorKind::NoMessageFound => {
+                            None
+                        }
+                        Err(error) => return Err(unavailable("first message of a shard", error)),
+                    };
+                    Removed::shard_through(front, last, first_of_shard)
+                }
+            },
+        )
     }
 
     async fn ping(&self) -> BackendResult<()> {

@@ -19,7 +19,8 @@
 //!   knows was stored (what it appended and what its tail read: [`Watermarks`]); a check that
 //!   finds it neither stored nor trimmed starts a new life ([`scripts::START_NEW_LIFE`]). A
 //!   resume also looks for the cursor's own entry: missing and not trimmed means `data_lost`.
-//! - **Resume** reads pages with [`scripts::READ`] (XRANGE plus the life it read in).
+//! - **Resume** reads pages with [`scripts::READ`] (XRANGE plus the life it read in and what
+//!   trimming had removed: [`trimming`]).
 //! - **Trimming** runs on Redis' clock under a lease, one pod per group at a time.
 
 mod layout;
@@ -28,6 +29,7 @@ mod scripts;
 mod setup;
 mod tail;
 mod tls;
+mod trimming;
 
 use std::{
     collections::VecDeque,
@@ -42,6 +44,7 @@ use fred::{
     util::redis_keyslot,
 };
 use futures_util::{future::BoxFuture, FutureExt};
+use trimming::Trimming;
 
 pub use layout::Layout;
 pub use setup::{ConnectionSetup, SetupError};
@@ -244,8 +247,7 @@ struct StreamCheck {
     shard: u32,
     epoch: Epoch,
     start: Position,
-    head: Position,
-    trimmed_through: Position,
+    trimming: Trimming,
     /// Whether the cursor's position asked about is stored.
     cursor_found: Option<bool>,
 }
@@ -255,8 +257,8 @@ impl StreamCheck {
         ShardState {
             epoch: self.epoch.clone(),
             start: self.start,
-            head: self.head,
-            trimmed_through: self.trimmed_through,
+            head: self.trimming.head,
+            trimmed_through: self.trimming.removed_through(),
             probe: self.cursor_found,
         }
     }
@@ -404,7 +406,7 @@ impl Inner {
                 Some((epoch, position))
                     if epoch == check.epoch
                         && mark_found == Some(false)
-                        && position > check.trimmed_through =>
+                        && position > check.trimming.removed_through() =>
                 {
                     log::warn!(
                         "redis stream {} lost position {position} it had stored (a restart from \
@@ -562,16 +564,17 @@ impl Inner {
                 ],
             )
             .await?;
-        let [epoch, entries] = reply::items(&reply) else {
+        let [epoch, entries, trimming] = reply::items(&reply) else {
             return Err(bad_reply("read"));
         };
         let epoch = parse_epoch(epoch)?;
         let page = reply::entries(shard, &epoch, entries);
         Ok(ReadPage {
             epoch,
-            read: page.events.len() + page.skipped as usize,
+            read: page.positions.len(),
             last: page.last,
             events: page.events,
+            trimmed_through: Trimming::parse(trimming)?.removed_through(),
         })
     }
 
@@ -655,70 +658,24 @@ fn probe_arg(position: Option<Position>) -> Value {
 
 /// Reads one row of [`scripts::CHECK`]; also returns whether the watermark was found.
 fn parse_check(shard: u32, row: &Value) -> BackendResult<(StreamCheck, Option<bool>)> {
-    let fields = reply::items(row);
-    let [epoch, start, head, added, length, deleted, first, cursor_found, mark_found] = fields
-    else {
-        return Err(BackendError::rejected(
-            "XINFO STREAM lacks entries-added or max-deleted-entry-id: Redis 7 or newer is \
-             required",
-        ));
+    let [epoch, start, trimming, cursor_found, mark_found] = reply::items(row) else {
+        return Err(bad_reply("check"));
     };
-    let position = |value: &Value, what| reply::position(value).ok_or_else(|| bad_reply(what));
-    let integer = |value: &Value| match value {
-        Value::Integer(n) => *n,
-        _ => 0,
-    };
-    let head = position(head, "last-generated-id")?;
-    let first = reply::text(first)
-        .filter(|text| !text.is_empty())
-        .and_then(|text| text.parse().ok());
-    let found = |value: &Value| match integer(value) {
-        1 => Some(true),
-        0 => Some(false),
+    let found = |value: &Value| match value {
+        Value::Integer(1) => Some(true),
+        Value::Integer(0) => Some(false),
         _ => None,
     };
     Ok((
         StreamCheck {
             shard,
             epoch: parse_epoch(epoch)?,
-            start: position(start, "start")?,
-            head,
-            trimmed_through: removed_through(
-                head,
-                integer(added),
-                integer(length),
-                position(deleted, "max-deleted-entry-id")?,
-                first,
-            ),
+            start: reply::position(start).ok_or_else(|| bad_reply("start"))?,
+            trimming: Trimming::parse(trimming)?,
             cursor_found: found(cursor_found),
         },
         found(mark_found),
     ))
-}
-
-/// The highest position that may have been removed from a stream. XDEL is tracked exactly
-/// (`max-deleted-entry-id`), trimming is not (Redis 7.0 does not update that field when it
-/// trims). When fewer entries remain than were ever added, everything before the first remaining
-/// entry may be gone, so its predecessor counts as removed (the whole stream, up to the head,
-/// when none remains). A cursor that is exactly the last trimmed entry is thereby reported
-/// `expired` although it missed nothing: a needless resync, never a silent gap.
-fn removed_through(
-    head: Position,
-    added: i64,
-    length: i64,
-    deleted: Position,
-    first: Option<Position>,
-) -> Position {
-    if added <= length {
-        return deleted;
-    }
-    let trimmed = match first {
-        Some(first) if first.seq > 0 => Position::new(first.ms, first.seq - 1),
-        Some(first) if first.ms > 0 => Position::new(first.ms - 1, u64::MAX),
-        Some(_) => Position::ZERO,
-        None => head,
-    };
-    deleted.max(trimmed)
 }
 
 fn parse_epoch(reply: &Value) -> BackendResult<Epoch> {
@@ -818,26 +775,5 @@ mod tests {
         marks.saw(0, &e1, Position::new(9, 0));
         assert_eq!(marks.of(0), Some((e2.clone(), Position::new(1, 0))));
         assert!(!marks.ended(0, &e2));
-    }
-
-    /// What trimming removed: exactly the deleted entries while nothing was trimmed, else
-    /// everything before the first remaining entry, or the whole stream when none remains.
-    #[test]
-    fn removed_positions_from_stream_info() {
-        let deleted = Position::new(3, 0);
-        let head = Position::new(9, 0);
-        assert_eq!(
-            removed_through(head, 5, 5, deleted, Some(Position::new(1, 0))),
-            deleted
-        );
-        assert_eq!(
-            removed_through(head, 9, 5, Position::ZERO, Some(Position::new(7, 2))),
-            Position::new(7, 1)
-        );
-        assert_eq!(
-            removed_through(head, 9, 5, Position::ZERO, Some(Position::new(7, 0))),
-            Position::new(6, u64::MAX)
-        );
-        assert_eq!(removed_through(head, 9, 0, Position::ZERO, None), head);
     }
 }

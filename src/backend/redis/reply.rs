@@ -36,6 +36,8 @@ pub fn items(value: &Value) -> &[Value] {
 /// Entries as read by XRANGE or one stream of an XREAD reply: `[[id, [field, value, ...]], ...]`.
 pub struct Entries {
     pub events: Vec<StoredEvent>,
+    /// Of every entry, deliverable or not, in order.
+    pub positions: Vec<Position>,
     pub skipped: u64,
     /// Position of the last entry, skipped or not: reading continues after it.
     pub last: Option<Position>,
@@ -45,6 +47,7 @@ pub struct Entries {
 pub fn entries(shard: u32, epoch: &Epoch, reply: &Value) -> Entries {
     let mut parsed = Entries {
         events: Vec::new(),
+        positions: Vec::new(),
         skipped: 0,
         last: None,
     };
@@ -55,6 +58,7 @@ pub fn entries(shard: u32, epoch: &Epoch, reply: &Value) -> Entries {
             continue;
         };
         parsed.last = Some(position);
+        parsed.positions.push(position);
         match parts
             .get(1)
             .and_then(|fields| event(shard, epoch, position, fields))

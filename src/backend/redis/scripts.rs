@@ -10,6 +10,8 @@
 //!   life. Data and marker are one key, so losing the data loses the marker with it.
 //! - `minid(retention_ms)`: the oldest id retention keeps, from Redis' own clock (`TIME`), never
 //!   the pod's: a pod whose clock runs ahead must not trim what it just appended.
+//! - `trimming(key)`: what tells how much of a stream was removed, `{last-generated-id,
+//!   entries-added, length, max-deleted-entry-id, first entry id or ''}` (XINFO STREAM, Redis 7).
 
 macro_rules! with_helpers {
     ($script:literal) => {
@@ -34,6 +36,15 @@ local function life(key, fresh)
   end
   redis.call('XGROUP', 'CREATE', key, PREFIX .. fresh, '0', 'MKSTREAM')
   return fresh, '0-0'
+end
+local function trimming(key)
+  local info = redis.call('XINFO', 'STREAM', key)
+  local fields = {}
+  for f = 1, #info, 2 do fields[info[f]] = info[f + 1] end
+  local first = ''
+  if type(fields['first-entry']) == 'table' then first = fields['first-entry'][1] end
+  return {fields['last-generated-id'], fields['entries-added'], fields['length'],
+          fields['max-deleted-entry-id'], first}
 end
 local function minid(retention_ms)
   local now = redis.call('TIME')
@@ -116,21 +127,16 @@ return out
 
 /// The life and state of some streams of one group. KEYS: the streams. ARGV: fresh epoch prefix,
 /// then per stream its shard and two positions to look for ('' = none): a cursor's, and the
-/// newest one this pod knows was stored. Returns per stream `{epoch, start, last-generated-id,
-/// entries-added, length, max-deleted-entry-id, first entry id or '', found1, found2}` with
-/// `found` 1 (stored), 0 (not stored) or -1 (not asked). Entries themselves are not returned:
-/// they can be large.
+/// newest one this pod knows was stored. Returns per stream `{epoch, start, trimming, found1,
+/// found2}` with `trimming` as `trimming(key)` returns it and `found` 1 (stored), 0 (not stored)
+/// or -1 (not asked). Entries themselves are not returned: they can be large.
 pub const CHECK: &str = with_helpers!(
     r#"
 local out = {}
 for i, key in ipairs(KEYS) do
   local shard = ARGV[3 * i - 1]
   local epoch, start = life(key, ARGV[1] .. shard)
-  local info = redis.call('XINFO', 'STREAM', key)
-  local fields = {}
-  for f = 1, #info, 2 do fields[info[f]] = info[f + 1] end
-  local first = ''
-  if type(fields['first-entry']) == 'table' then first = fields['first-entry'][1] end
+  local state = trimming(key)
   local found = {}
   for p = 1, 2 do
     local position = ARGV[3 * i - 1 + p]
@@ -142,8 +148,7 @@ for i, key in ipairs(KEYS) do
       found[p] = 0
     end
   end
-  out[i] = {epoch, start, fields['last-generated-id'], fields['entries-added'], fields['length'],
-            fields['max-deleted-entry-id'], first, found[1], found[2]}
+  out[i] = {epoch, start, state, found[1], found[2]}
 end
 return out
 "#
@@ -166,12 +171,13 @@ return {epoch, start}
 "#
 );
 
-/// One page of a stream with the life it belongs to. KEYS[1]: the stream. ARGV: the exclusive
-/// start (`(id`), COUNT, the fresh epoch (shard included). Returns `{epoch, entries}`.
+/// One page of a stream with the life it belongs to and what trimming had removed when it was
+/// read. KEYS[1]: the stream. ARGV: the exclusive start (`(id`), COUNT, the fresh epoch (shard
+/// included). Returns `{epoch, entries, trimming}`.
 pub const READ: &str = with_helpers!(
     r#"
 local epoch = life(KEYS[1], ARGV[3])
-return {epoch, redis.call('XRANGE', KEYS[1], ARGV[1], '+', 'COUNT', ARGV[2])}
+return {epoch, redis.call('XRANGE', KEYS[1], ARGV[1], '+', 'COUNT', ARGV[2]), trimming(KEYS[1])}
 "#
 );
 

@@ -5,18 +5,24 @@
 //! would skip what arrived during the outage). It keeps the last id per shard across errors, so
 //! after an outage it continues where it was.
 //!
-//! Loss detection ([`Inner::check`]: the life of each stream, and whether the newest position
-//! this pod knows of is still stored):
+//! Loss detection ([`Inner::check`]: the life of each stream, whether the newest position this
+//! pod knows of is still stored, and what trimming removed):
 //! - after every read that returned entries, for the shards it returned, *before* they are
 //!   delivered: entries read from a stream whose life changed are dropped, the shard's
 //!   connections get `resync` `data_lost` at the new life's start, and the next read continues
-//!   from there, so nothing of the new life is skipped and nothing after the loss comes first;
+//!   from there, so nothing of the new life is skipped and nothing after the loss comes first.
+//!   Entries removed before the tail read them (one append script that adds more than the length
+//!   cap keeps, a tail that fell behind, an operator's XTRIM) are found the same way
+//!   ([`super::trimming::Trimming::continuity`]: XREAD simply answers with the next entry still stored): the
+//!   read is dropped, the connections get `resync` `expired`, and reading continues after what
+//!   was removed;
 //! - every [`CHECK_EVERY`] for all shards, while a read may still be blocked (it is kept and
-//!   awaited on the next call), so an idle shard hears of a loss within seconds too;
-//! - after any error, where it also checks whether trimming removed entries the tail had not
-//!   read (`resync` `expired`). That check is not periodic: a stream whose entries all aged out
-//!   and then got a new one looks trimmed past the tail's last id although nothing was missed,
-//!   and a live tail that keeps reading cannot fall behind retention.
+//!   awaited on the next call), so an idle shard hears of a loss within seconds too, and after
+//!   any error, before the next read.
+//!
+//! To tell an entry it read that was trimmed since from one it never saw, the tail keeps per
+//! shard how many entries the stream had ever received up to its last position (XINFO's
+//! `entries-added`, which XREAD does not return: taken at the head and counted forward).
 
 use std::{
     ops::Range,
@@ -30,9 +36,9 @@ use fred::{
 };
 use futures_util::{future::BoxFuture, FutureExt};
 
-use super::{init, reply, unavailable, Inner, StreamCheck};
+use super::{init, reply, trimming::Continuity, unavailable, Inner, StreamCheck};
 use crate::{
-    backend::{BackendError, BackendResult, Gap, StoredEvent, Tail, TailBatch},
+    backend::{BackendError, BackendResult, Gap, Tail, TailBatch},
     model::{Cursor, Epoch, Position, ResyncReason},
 };
 
@@ -55,8 +61,10 @@ pub struct RedisTail {
     keys: Vec<String>,
     /// Per shard of the group (index = shard - shards.start): the life being read...
     lives: Vec<Epoch>,
-    /// ...and the last position read in it.
+    /// ...the last position read in it...
     last: Vec<Position>,
+    /// ...and how many entries the stream had received up to it, when known.
+    counts: Vec<Option<u64>>,
     /// A blocking read in flight, kept across calls so that checks can run while it waits.
     pending: Option<PendingRead>,
     /// An error happened since the last full check.
@@ -78,7 +86,11 @@ impl RedisTail {
                 .map(|shard| inner.layout.stream_key(shard))
                 .collect(),
             lives: checks.iter().map(|check| check.epoch.clone()).collect(),
-            last: checks.iter().map(|check| check.head).collect(),
+            last: checks.iter().map(|check| check.trimming.head).collect(),
+            counts: checks
+                .iter()
+                .map(|check| Some(check.trimming.added))
+                .collect(),
             inner,
             client,
             client_id,
@@ -94,33 +106,57 @@ impl RedisTail {
         (shard - self.shards.start) as usize
     }
 
-    /// Compares checked streams with what the tail reads: a new life is a `data_lost` gap and
-    /// reading moves to its start; after an error, entries trimmed before the tail read them are
-    /// an `expired` gap. Returns the shards whose position moved.
-    fn apply(&mut self, checks: &[StreamCheck], trimming: bool, gaps: &mut Vec<Gap>) -> Vec<u32> {
-        let mut moved = Vec::new();
-        for check in checks {
-            let index = self.index(check.shard);
-            let (reason, resume_after) = if check.epoch != self.lives[index] {
-                log::warn!(
-                    "redis stream {} has a new life: its data was lost",
-                    self.keys[index]
-                );
-                (ResyncReason::DataLost, check.start)
-            } else if trimming && check.trimmed_through > self.last[index] {
-                (ResyncReason::Expired, check.trimmed_through)
-            } else {
-                continue;
-            };
-            self.lives[index] = check.epoch.clone();
-            self.last[index] = resume_after;
-            moved.push(check.shard);
-            gaps.push(Gap {
-                cursor: Cursor::new(check.epoch.clone(), check.shard, resume_after),
-                reason,
-            });
-        }
-        moved
+    /// Compares a checked stream with what the tail read: a new life is a `data_lost` gap and
+    /// reading moves to its start; entries removed before the tail read them are an `expired`
+    /// gap and reading moves past them. `read`: the positions the read being checked returned
+    /// after the tail's last one (none for a check between reads); they are taken unless the
+    /// position moved, in which case it returns true and they are read again from there.
+    fn judge(&mut self, check: &StreamCheck, read: &[Position], gaps: &mut Vec<Gap>) -> bool {
+        let index = self.index(check.shard);
+        let (reason, resume_after, count) = if check.epoch != self.lives[index] {
+            log::warn!(
+                "redis stream {} has a new life: its data was lost",
+                self.keys[index]
+            );
+            (
+                ResyncReason::DataLost,
+                check.start,
+                check.trimming.count_through(check.start),
+            )
+        } else {
+            match check
+                .trimming
+                .continuity(self.last[index], self.counts[index], read)
+            {
+                Continuity::Whole { count } => {
+                    if let Some(&newest) = read.last() {
+                        self.last[index] = newest;
+                    }
+                    self.counts[index] = count;
+                    return false;
+                }
+                Continuity::Gap {
+                    resume_after,
+                    count,
+                } => {
+                    log::warn!(
+                        "redis stream {}: entries after {} were removed before this pod read \
+                         them (trimmed through {resume_after}): its streams get resync expired",
+                        self.keys[index],
+                        self.last[index]
+                    );
+                    (ResyncReason::Expired, resume_after, count)
+                }
+            }
+        };
+        self.lives[index] = check.epoch.clone();
+        self.last[index] = resume_after;
+        self.counts[index] = count;
+        gaps.push(Gap {
+            cursor: Cursor::new(check.epoch.clone(), check.shard, resume_after),
+            reason,
+        });
+        true
     }
 
     /// The periodic (or after-error) check of every shard of the group.
@@ -128,8 +164,11 @@ impl RedisTail {
         let shards: Vec<u32> = self.shards.clone().collect();
         let checks = self.inner.check(self.group, &shards, &[]).await?;
         let mut gaps = Vec::new();
-        let moved = self.apply(&checks, self.after_error, &mut gaps);
-        if !moved.is_empty() {
+        let mut moved = false;
+        for check in &checks {
+            moved |= self.judge(check, &[], &mut gaps);
+        }
+        if moved {
             // A read in flight still asks for entries after the old positions.
             self.abandon_read().await;
         }
@@ -201,11 +240,12 @@ impl RedisTail {
         .boxed()
     }
 
-    /// Turns a read's reply into a batch, after checking the lives of the shards it read.
+    /// Turns a read's reply into a batch, after checking the lives and trimming of the shards
+    /// it read.
     async fn take(&mut self, reply: Value) -> BackendResult<TailBatch> {
         let mut batch = TailBatch::default();
         // Per shard read: its new entries (a BLOCK timeout is a nil reply: nothing new).
-        let mut read: Vec<(u32, Vec<StoredEvent>, Option<Position>, u64)> = Vec::new();
+        let mut read: Vec<(u32, reply::Entries)> = Vec::new();
         for stream in reply::items(&reply) {
             let parts = reply::items(stream);
             let Some(index) = parts
@@ -221,33 +261,31 @@ impl RedisTail {
                 &self.lives[index],
                 parts.get(1).unwrap_or(&Value::Null),
             );
-            // A read sent before the tail moved back to a new life's start may return entries
-            // it has already passed: never twice.
-            entries
-                .events
-                .retain(|event| event.position > self.last[index]);
-            if entries.last.is_some_and(|last| last > self.last[index]) {
-                read.push((shard, entries.events, entries.last, entries.skipped));
+            // A read sent before the tail moved (to a new life's start, or past trimmed
+            // entries) may return entries it has already passed: never twice.
+            let last = self.last[index];
+            entries.events.retain(|event| event.position > last);
+            entries.positions.retain(|position| *position > last);
+            if !entries.positions.is_empty() {
+                read.push((shard, entries));
             }
         }
         if read.is_empty() {
             return Ok(batch);
         }
-        let shards: Vec<u32> = read.iter().map(|(shard, ..)| *shard).collect();
+        let shards: Vec<u32> = read.iter().map(|(shard, _)| *shard).collect();
         let checks = self.inner.check(self.group, &shards, &[]).await?;
-        let moved = self.apply(&checks, false, &mut batch.gaps);
-        for (shard, events, last, skipped) in read {
-            if moved.contains(&shard) {
-                // Read before the tail knew of the new life: read again from its start.
+        for (check, (shard, entries)) in checks.iter().zip(read) {
+            if self.judge(check, &entries.positions, &mut batch.gaps) {
+                // Read before the tail knew of the loss: read again from where it moved.
                 continue;
             }
             let index = self.index(shard);
-            if let Some(last) = last {
-                self.last[index] = last;
-                self.inner.watermarks.saw(shard, &self.lives[index], last);
-            }
-            batch.skipped += skipped;
-            batch.events.extend(events);
+            self.inner
+                .watermarks
+                .saw(shard, &self.lives[index], self.last[index]);
+            batch.skipped += (entries.positions.len() - entries.events.len()) as u64;
+            batch.events.extend(entries.events);
         }
         Ok(batch)
     }
