@@ -257,6 +257,47 @@ async fn a_stream_that_aged_out_goes_on_without_resync() {
     );
 }
 
+/// A connection break that fred may ride out by itself (it reconnects and sends a read that was
+/// queued or in flight again, so no read of the tail fails) still counts as a reconnect of the
+/// tail, every time, and the stream goes on without a gap. Three outages: a blocked read when
+/// the server stops, and one issued while it is away, must both be counted.
+#[tokio::test]
+async fn every_outage_is_counted_as_a_reconnect() {
+    let mut redis = RedisServer::builder().appendonly(true).start().await;
+    let hub = redis_hub(&redis.url()).start().await;
+    let mut client = live_stream(&hub, "pos-6").await;
+    for outage in 1..=3 {
+        redis.stop().await;
+        tokio::time::sleep(Duration::from_millis(300 * outage)).await;
+        redis.start_again().await;
+        let data = format!("after outage {outage}");
+        let deadline = tokio::time::Instant::now() + WAIT;
+        while publish(
+            &hub,
+            json!({ "device": "pos-6", "type": "test", "data": data }),
+        )
+        .await
+        .status
+            != 201
+        {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "publish never recovered"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        assert_eq!(client.expect_event(WAIT).await.data, data);
+        support::metrics::wait_for(
+            hub.addr(),
+            "redis_tail_reconnects_total",
+            &[],
+            outage as f64,
+            WAIT,
+        )
+        .await;
+    }
+}
+
 /// Entries appended and trimmed away while the tail could not read (here its user lost the
 /// XREAD permission for a while) are not silently skipped: the connections of that shard get
 /// `resync` `expired`, then the events that are still there.

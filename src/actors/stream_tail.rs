@@ -251,7 +251,8 @@ impl TailLoop {
             };
             match batch {
                 Ok(batch) => {
-                    if backoff_was_used(&backoff) {
+                    // Both asked: `reconnected` also clears what the tail noted.
+                    if tail.reconnected() | backoff_was_used(&backoff) {
                         self.metrics.tail_reconnected(self.group);
                         log::info!("tail of group {} reconnected", self.group);
                     }

@@ -237,6 +237,12 @@ pub trait Tail: Send {
     fn next_batch(&mut self) -> BoxFuture<'_, BackendResult<TailBatch>>;
     /// Last position read per shard of the group, for status pages.
     fn last_positions(&self) -> Vec<(u32, Position)>;
+    /// Whether the tail's connection was re-established since the last call without a read
+    /// failing (the client library reconnected and retried the read itself), so that the
+    /// outage is counted all the same.
+    fn reconnected(&mut self) -> bool {
+        false
+    }
 }
 
 /// How often retention is applied, for a resume window of `retention`: at least every 30 s,

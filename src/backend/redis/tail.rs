@@ -31,10 +31,15 @@ use std::{
 };
 
 use fred::{
+    interfaces::EventInterface,
     prelude::{Client, ClientLike},
-    types::{config::Options, CustomCommand, Value},
+    types::{
+        config::{Options, Server},
+        CustomCommand, Value,
+    },
 };
 use futures_util::{future::BoxFuture, FutureExt};
+use tokio::sync::broadcast;
 
 use super::{init, reply, trimming::Continuity, unavailable, Inner, StreamCheck};
 use crate::{
@@ -56,6 +61,11 @@ pub struct RedisTail {
     client: Client,
     /// The dedicated connection's `CLIENT ID`, to unblock a read that must be abandoned.
     client_id: Option<i64>,
+    /// fred's word of each reconnection of `client` (after it first connected): it retries a
+    /// blocked read on the new connection by itself, so no read fails.
+    reconnects: broadcast::Receiver<Server>,
+    /// A reconnection was seen and not yet reported by [`Tail::reconnected`].
+    reconnected: bool,
     group: usize,
     shards: Range<u32>,
     keys: Vec<String>,
@@ -76,6 +86,8 @@ impl RedisTail {
     pub async fn open(inner: Arc<Inner>, group: usize) -> BackendResult<Self> {
         let client = inner.client(group).clone_new();
         init(&client, "redis").await?;
+        // Subscribed after the first connection, whose own notice came before `init` returned.
+        let reconnects = client.reconnect_rx();
         let client_id = client_id(&inner, group, &client).await;
         let shards = inner.layout.shards_of(group);
         let all: Vec<u32> = shards.clone().collect();
@@ -94,6 +106,8 @@ impl RedisTail {
             inner,
             client,
             client_id,
+            reconnects,
+            reconnected: false,
             group,
             shards,
             pending: None,
@@ -198,6 +212,7 @@ impl RedisTail {
         log::debug!("tail of group {} renews its connection", self.group);
         let client = self.inner.client(self.group).clone_new();
         if init(&client, "redis").await.is_ok() {
+            self.reconnects = client.reconnect_rx();
             let old = std::mem::replace(&mut self.client, client);
             tokio::spawn(async move {
                 let _ = old.quit().await;
@@ -290,7 +305,22 @@ impl RedisTail {
         Ok(batch)
     }
 
+    /// Notes reconnections fred made on its own: like an error, they call for a new client id
+    /// and a check of every shard before the next read.
+    fn note_reconnects(&mut self) {
+        loop {
+            match self.reconnects.try_recv() {
+                Ok(_) | Err(broadcast::error::TryRecvError::Lagged(_)) => {
+                    self.reconnected = true;
+                    self.after_error = true;
+                }
+                Err(_) => return,
+            }
+        }
+    }
+
     async fn read(&mut self) -> BackendResult<TailBatch> {
+        self.note_reconnects();
         if self.after_error && self.pending.is_none() {
             // fred reconnects on its own after an outage; the server then knows the connection
             // by a new id (and may give the old one to another client).
@@ -352,6 +382,11 @@ impl Tail for RedisTail {
 
     fn last_positions(&self) -> Vec<(u32, Position)> {
         self.shards.clone().zip(self.last.iter().copied()).collect()
+    }
+
+    fn reconnected(&mut self) -> bool {
+        self.note_reconnects();
+        std::mem::take(&mut self.reconnected)
     }
 }
 
