@@ -60,21 +60,84 @@ async fn console_is_served_with_a_strict_policy() {
 }
 
 /// With jwt auth the page is served without a token (a browser cannot send one when it navigates;
-/// the page holds no data), while what it reads still needs the admin token.
-#[tokio::test]
-async fn with_jwt_the_page_loads_but_its_data_needs_a_token() {
+/// the page holds no data), while what it reads still needs the admin token: in Chromium the page
+/// asks for one, uses it, and keeps it out of storage and cookies.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_jwt_the_page_asks_for_an_admin_token() {
+    const SECRET: &str = "console-test-secret";
     let hub = Hub::builder()
         .env("POSTHORN_AUTH__MODE", "jwt")
-        .env(
-            "POSTHORN_AUTH__JWT_SECRET",
-            "console-test-secret-of-32-bytes!",
-        )
+        .env("POSTHORN_AUTH__JWT_SECRET", SECRET)
         .start()
         .await;
     let page = http::get(hub.addr(), "/admin/console").await;
     assert_eq!(page.status, 200, "{}", page.text());
     let status = http::get(hub.addr(), "/admin/status").await;
     assert_eq!(status.status, 401, "{}", status.text());
+
+    let chromium = Chromium::start(1280, 900).await;
+    let mut page = chromium.page().await;
+    page.call("Log.enable", json!({})).await;
+    page.call("Runtime.enable", json!({})).await;
+    page.call("Page.enable", json!({})).await;
+    page.navigate(&hub.url("/admin/console")).await;
+    page.wait_for(
+        "!document.getElementById('auth').hidden",
+        PAGE_WAIT,
+        "the token form",
+    )
+    .await;
+    assert_eq!(
+        page.evaluate("document.getElementById('connections').dataset.value ?? null")
+            .await,
+        Value::Null,
+        "no data without a token"
+    );
+
+    let expires = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("clock after 1970")
+        .as_secs()
+        + 600;
+    let token = jsonwebtoken::encode(
+        &jsonwebtoken::Header::default(),
+        &json!({ "scope": "admin", "exp": expires }),
+        &jsonwebtoken::EncodingKey::from_secret(SECRET.as_bytes()).expect("hs256 key"),
+    )
+    .expect("token");
+    page.evaluate(&format!(
+        "document.getElementById('token').value = '{token}'; \
+         document.getElementById('token-use').click()"
+    ))
+    .await;
+    page.wait_for(
+        "document.getElementById('connections').dataset.value === '0'",
+        PAGE_WAIT,
+        "the data read with the token",
+    )
+    .await;
+    assert_eq!(
+        page.evaluate(
+            "[document.getElementById('auth').hidden, document.getElementById('token').value, \
+              localStorage.length, sessionStorage.length, document.cookie]"
+        )
+        .await,
+        json!([true, "", 0, 0, ""]),
+        "form hidden and emptied, nothing stored"
+    );
+    // The only errors are the answers to the requests made before the token was given.
+    let errors = page.console_errors();
+    assert!(!errors.is_empty(), "the first /admin/status was a 401");
+    for error in errors {
+        let entry = &error["params"]["entry"];
+        assert!(
+            entry["source"] == "network"
+                && entry["url"]
+                    .as_str()
+                    .is_some_and(|u| u.ends_with("/admin/status")),
+            "unexpected console error: {error:#}"
+        );
+    }
 }
 
 /// In Chromium: the page loads with no console error (a script or style refused by its policy
