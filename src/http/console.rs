@@ -27,6 +27,7 @@ const PAGE: &str = include_str!("console.html");
 /// The policy for [`PAGE`], computed on first use: the page is a constant, so are its hashes.
 static POLICY: LazyLock<String> = LazyLock::new(|| policy(PAGE));
 
+/// The page, to a loopback admin client (auth `none`) or anyone (jwt: the data needs a token).
 pub async fn page(
     request: HttpRequest,
     state: web::Data<AppState>,
