@@ -49,7 +49,7 @@ pub use publish::PublishConfig;
 use raw::RawConfig;
 pub use redis::RedisConfig;
 pub use replay::ReplayConfig;
-pub use secret::{RedactedUrl, Secret};
+pub use secret::{RedactedUrl, Secret, SecretFileError};
 pub use server::ServerConfig;
 pub use sse::SseConfig;
 pub use value::{format_duration, parse_duration, MAX_SHARDS};

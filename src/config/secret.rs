@@ -36,26 +36,46 @@ impl Secret {
         self.0.is_empty()
     }
 
-    /// The secret in the file at `path` (for `key`), read once at start-up: a secret kept in a
-    /// mounted file (a Kubernetes Secret, a Vault agent's output) stays out of the environment
-    /// that `/proc/<pid>/environ` and crash reports show. One trailing line break is not part of
-    /// it: `echo secret > file` writes one.
-    pub fn from_file(key: &str, path: &std::path::Path) -> Result<Self, super::ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|error| {
-            super::error::invalid(key, format!("cannot read {}: {error}", path.display()))
-        })?;
+    /// The secret in the file at `path`, read once at start-up: a secret kept in a mounted file
+    /// (a Kubernetes Secret, a Vault agent's output) stays out of the environment that
+    /// `/proc/<pid>/environ` and crash reports show. One trailing line break is not part of it:
+    /// `echo secret > file` writes one. Every `*_file` key of a secret reads through here.
+    pub fn read(path: &std::path::Path) -> Result<Self, SecretFileError> {
+        let bytes = std::fs::read(path).map_err(SecretFileError::Read)?;
+        let text = String::from_utf8(bytes).map_err(|_| SecretFileError::NotText)?;
         let value = text
             .strip_suffix('\n')
             .map(|rest| rest.strip_suffix('\r').unwrap_or(rest))
             .unwrap_or(&text);
         if value.is_empty() {
-            return Err(super::error::invalid(
-                key,
-                format!("{} is empty", path.display()),
-            ));
+            return Err(SecretFileError::Empty);
         }
         Ok(Self(value.to_string()))
     }
+
+    /// [`Secret::read`] for the configuration key `key`, its error naming key and path.
+    pub fn from_file(key: &str, path: &std::path::Path) -> Result<Self, super::ConfigError> {
+        Self::read(path).map_err(|error| {
+            let message = match error {
+                SecretFileError::Read(source) => {
+                    format!("cannot read {}: {source}", path.display())
+                }
+                other => format!("{} {other}", path.display()),
+            };
+            super::error::invalid(key, message)
+        })
+    }
+}
+
+/// Why a secret file cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum SecretFileError {
+    #[error("cannot be read: {0}")]
+    Read(#[source] std::io::Error),
+    #[error("is not UTF-8 text")]
+    NotText,
+    #[error("is empty")]
+    Empty,
 }
 
 impl fmt::Debug for Secret {

@@ -28,7 +28,7 @@ use async_nats::{ConnectErrorKind, ConnectOptions, ServerAddr};
 use super::{unavailable, CONNECT_TIMEOUT, REQUEST_TIMEOUT};
 use crate::{
     backend::{BackendError, BackendResult},
-    config::{nats::NatsCredentials, NatsConfig, RedactedUrl, Secret},
+    config::{nats::NatsCredentials, NatsConfig, RedactedUrl, Secret, SecretFileError},
 };
 
 /// A TLS or credentials file of `[nats]` that cannot be used: the key and the path, never what
@@ -195,17 +195,14 @@ fn read(key: &'static str, path: &Path) -> Result<Vec<u8>, NatsFileError> {
     std::fs::read(path).map_err(|error| file_error(key, path, "cannot be read", Some(error.into())))
 }
 
-/// A secret file's text without its trailing newline (editors and `echo` add one); empty is an
-/// error, since no server accepts an empty secret.
+/// A secret file's text ([`Secret::read`]: one trailing line break dropped, empty refused).
 fn read_secret(key: &'static str, path: &Path) -> Result<Secret, NatsFileError> {
-    let bytes = read(key, path)?;
-    let text =
-        String::from_utf8(bytes).map_err(|_| file_error(key, path, "is not UTF-8 text", None))?;
-    let trimmed = text.trim_end_matches(['\n', '\r']);
-    if trimmed.is_empty() {
-        return Err(file_error(key, path, "is empty", None));
-    }
-    Ok(Secret::new(trimmed))
+    Secret::read(path).map_err(|error| match error {
+        SecretFileError::Read(source) => {
+            file_error(key, path, "cannot be read", Some(source.into()))
+        }
+        other => file_error(key, path, &other.to_string(), None),
+    })
 }
 
 /// What `crate::tls` found wrong with a TLS file, as the file error of its key.
@@ -433,16 +430,21 @@ mod tests {
         assert!(error.contains("holds no PEM certificate"), "{error}");
     }
 
-    /// A password and a token are read without their trailing newline.
+    /// A password and a token are read without their trailing line break (one, as for every
+    /// secret file); an empty file names its key.
     #[test]
     fn secrets_lose_their_trailing_newline() {
         let token = TempFile::new("token", b"t0ken\r\n");
         assert_eq!(read_secret("k", &token.0).expect("read").expose(), "t0ken");
-        let password = TempFile::new("password", b"pass word\n\n");
+        let password = TempFile::new("password", b"pass word\n");
         assert_eq!(
             read_secret("k", &password.0).expect("read").expose(),
             "pass word"
         );
+        let empty = TempFile::new("empty", b"\n");
+        let error = read_secret("nats.token_file", &empty.0).expect_err("empty");
+        assert!(error.to_string().contains("nats.token_file"), "{error}");
+        assert!(error.to_string().contains("is empty"), "{error}");
     }
 
     /// The client gets the URLs without user-info; the credentials come from the first URL that
