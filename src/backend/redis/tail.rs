@@ -313,6 +313,9 @@ impl RedisTail {
                 Ok(_) | Err(broadcast::error::TryRecvError::Lagged(_)) => {
                     self.reconnected = true;
                     self.after_error = true;
+                    // The server knows the new connection by a new id (and may have given the
+                    // old one to another client after a restart): never unblock by it again.
+                    self.client_id = None;
                 }
                 Err(_) => return,
             }

@@ -122,8 +122,12 @@ impl Trimming {
     /// the front, the stored entries begin with the `removed + 1`-th ever appended, which must be
     /// the `removed - count`-th of the read if the read took up right after `last`. Where the
     /// counts cannot tell (unknown, holes, a read itself trimmed away since), it is a gap: a
-    /// needless resync at the edge of retention, never a silent one.
+    /// needless resync at the edge of retention, never a silent one. A count above what the
+    /// stream says it ever received, or above what it removed although the tail's position is
+    /// gone, means its history was rewritten under the same life (a failover to a lagging
+    /// replica, a restore, XSETID): the count is dropped, and a gap is told.
     pub fn continuity(&self, last: Position, count: Option<u64>, read: &[Position]) -> Continuity {
+        let count = count.filter(|count| *count <= self.added);
         let then = |count: u64| count + read.len() as u64;
         let newest = read.last().copied().unwrap_or(last);
         let whole = |count: Option<u64>| Continuity::Whole {
@@ -134,12 +138,17 @@ impl Trimming {
         }
         match count {
             Some(count) if !self.has_holes() => {
+                // Everything up to `last` is gone (it is below what was removed), so at least
+                // `count` entries were removed; exactly `count`: nothing unread was.
                 let removed = self.removed();
-                if removed <= count {
+                if removed == count {
                     return whole(Some(then(count)));
                 }
-                let first_kept = usize::try_from(removed - count).unwrap_or(usize::MAX);
-                if first_kept < read.len() && self.first == Some(read[first_kept]) {
+                let first_kept = usize::try_from(removed.saturating_sub(count)).unwrap_or(0);
+                if removed > count
+                    && first_kept < read.len()
+                    && self.first == Some(read[first_kept])
+                {
                     return whole(Some(then(count)));
                 }
             }
@@ -271,6 +280,34 @@ mod tests {
                 resume_after: Position::new(9, u64::MAX),
                 count: Some(9)
             }
+        );
+    }
+
+    /// The tail read 101..=105 (count 105); a failover to a replica that had only 1..=100, then
+    /// 110..=120 appended and everything through 113 trimmed: the count is now too high, and
+    /// trusting it would hide 110..=113.
+    #[test]
+    fn a_count_the_stream_contradicts_is_a_gap() {
+        let state = Trimming {
+            head: p(120),
+            added: 111,
+            length: 7,
+            deleted: Position::ZERO,
+            first: Some(p(114)),
+        };
+        assert!(matches!(
+            state.continuity(p(105), Some(105), &[p(114), p(115)]),
+            Continuity::Gap { .. }
+        ));
+        assert!(
+            matches!(
+                state.continuity(p(105), Some(200), &[]),
+                Continuity::Gap {
+                    count: Some(104),
+                    ..
+                }
+            ),
+            "a count above entries-added is forgotten"
         );
     }
 
