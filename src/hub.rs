@@ -68,6 +68,30 @@ pub fn check_servable(config: &Config) -> Result<(), ServeError> {
     Ok(())
 }
 
+/// Reads every file the configuration names (the HTTPS certificate and key, the JWT public key,
+/// the backend's TLS and credential files; the JWT secret file is read with the configuration)
+/// as `serve` does before it connects, and keeps nothing: what
+/// `posthorn config check` adds to the configuration's own validation.
+pub fn check_files(config: &Config) -> Result<(), ServeError> {
+    if let Some((cert, key)) = config.server.tls_files() {
+        crate::tls::certified_key(cert, key).map_err(ServeError::Certificate)?;
+    }
+    // The JWT public key file.
+    http::auth::Authenticator::new(&config.auth, &config.server).map_err(ServeError::Unservable)?;
+    match config.backend_choice() {
+        BackendChoice::Memory(_) => {}
+        BackendChoice::Redis(redis) => {
+            ConnectionSetup::read(redis)
+                .map_err(|error| ServeError::Unservable(Report(&error).to_string()))?;
+        }
+        BackendChoice::Nats(nats) => {
+            NatsAccess::load(nats)
+                .map_err(|error| ServeError::Unservable(Report(&error).to_string()))?;
+        }
+    }
+    Ok(())
+}
+
 /// Entries per memory tail read: one Router batch, as `redis.count` is for a Redis tail.
 const MEMORY_TAIL_BATCH: usize = 500;
 

@@ -486,3 +486,129 @@ async fn shipped_config_files_start() {
         assert_eq!(resp.status, 200, "{}: {}", file.display(), resp.text());
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// posthorn config check | show | default
+// ---------------------------------------------------------------------------------------------
+
+/// `config check` accepts a good configuration (exit 0) and refuses, with exit 64 naming the
+/// key, what `serve` would refuse: an invalid value from the file or the environment, an unknown
+/// key, auth none on a public address, and a file it names that cannot be read — without
+/// starting anything.
+#[tokio::test]
+async fn config_check_names_the_key_at_fault() {
+    let good = TempFile::new("check-good.toml", "[memory]\nshards = 16\n");
+    let mut cmd = posthorn();
+    cmd.args(["config", "check", "--config"]).arg(&good.0);
+    let output = run(cmd).await;
+    assert_eq!(output.status.code(), Some(0), "{}", text(&output.stderr));
+    assert!(text(&output.stdout).contains("configuration ok"));
+
+    let unknown = TempFile::new("check-unknown.toml", "[sse]\nheartbeats = \"20s\"\n");
+    let missing_cert = TempFile::new(
+        "check-cert.toml",
+        "[server]\ntls_cert_file = \"/nonexistent/cert.pem\"\ntls_key_file = \"/nonexistent/key.pem\"\n",
+    );
+    let public = TempFile::new("check-public.toml", "[server]\nlisten = \"0.0.0.0:8080\"\n");
+    // (file, environment, the key the error must name)
+    type Case<'a> = (&'a TempFile, &'a [(&'a str, &'a str)], &'a str);
+    let cases: [Case; 6] = [
+        (&unknown, &[], "sse.heartbeats"),
+        (
+            &good,
+            &[("POSTHORN_SSE__HEARTBEAT", "soon")],
+            "sse.heartbeat",
+        ),
+        (&missing_cert, &[], "server.tls_cert_file"),
+        (&public, &[], "auth.mode"),
+        (
+            &good,
+            &[
+                ("POSTHORN_BACKEND__KIND", "redis"),
+                ("POSTHORN_REDIS__PASSWORD_FILE", "/nonexistent/password"),
+            ],
+            "redis.password_file",
+        ),
+        (
+            &good,
+            &[
+                ("POSTHORN_AUTH__MODE", "jwt"),
+                ("POSTHORN_AUTH__JWT_PUBLIC_KEY_FILE", "/nonexistent/key.pem"),
+            ],
+            "auth.jwt_public_key_file",
+        ),
+    ];
+    for (file, envs, key) in cases {
+        let mut cmd = posthorn();
+        cmd.args(["config", "check", "--config"]).arg(&file.0);
+        cmd.envs(envs.iter().copied());
+        let output = run(cmd).await;
+        let stderr = text(&output.stderr);
+        assert_eq!(output.status.code(), Some(EX_USAGE), "{key}: {stderr}");
+        assert!(
+            stderr.contains(key),
+            "the error does not name {key}: {stderr}"
+        );
+    }
+}
+
+/// `config show` prints the effective configuration — defaults, the file and the environment
+/// together — as a configuration file that `config check` accepts, with no secret in it.
+#[tokio::test]
+async fn config_show_is_the_effective_configuration_without_secrets() {
+    let file = TempFile::new(
+        "show.toml",
+        "[memory]\nshards = 16\n[redis]\nurl = \"redis://hub:hunter2@redis.internal:6379\"\n",
+    );
+    let mut cmd = posthorn();
+    cmd.args(["config", "show", "--config"])
+        .arg(&file.0)
+        .env("POSTHORN_SSE__HEARTBEAT", "7s")
+        .env("POSTHORN_AUTH__MODE", "jwt")
+        .env("POSTHORN_AUTH__JWT_SECRET", "correct-horse-battery-staple");
+    let output = run(cmd).await;
+    let shown = text(&output.stdout);
+    assert_eq!(output.status.code(), Some(0), "{}", text(&output.stderr));
+    let table: toml::Table = toml::from_str(&shown).expect("config show prints TOML");
+    assert_eq!(
+        table["memory"]["shards"].as_integer(),
+        Some(16),
+        "from the file"
+    );
+    assert_eq!(
+        table["sse"]["heartbeat"].as_str(),
+        Some("7s"),
+        "from the environment"
+    );
+    assert_eq!(
+        table["sse"]["queue_limit"].as_integer(),
+        Some(256),
+        "a default"
+    );
+    assert_eq!(table["auth"]["mode"].as_str(), Some("jwt"));
+    for secret in ["correct-horse-battery-staple", "hunter2"] {
+        assert!(!shown.contains(secret), "{secret} in:\n{shown}");
+    }
+    assert!(shown.contains("jwt_secret is set, not shown"), "{shown}");
+
+    let saved = TempFile::new("shown.toml", &shown);
+    let mut cmd = posthorn();
+    cmd.args(["config", "check", "--config"])
+        .arg(&saved.0)
+        .env("POSTHORN_AUTH__JWT_SECRET", "correct-horse-battery-staple");
+    let output = run(cmd).await;
+    assert_eq!(output.status.code(), Some(0), "{}", text(&output.stderr));
+}
+
+/// `config default` prints the reference file, byte for byte.
+#[tokio::test]
+async fn config_default_is_the_reference_file() {
+    let mut cmd = posthorn();
+    cmd.args(["config", "default"]);
+    let output = run(cmd).await;
+    assert_eq!(output.status.code(), Some(0));
+    let reference =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("config/posthorn.toml"))
+            .expect("config/posthorn.toml");
+    assert_eq!(text(&output.stdout), reference);
+}

@@ -364,3 +364,41 @@ async fn remote_targets_and_unbounded_runs_are_refused() {
     assert_eq!(code, EX_USAGE, "{text}");
     assert!(text.contains("bound"), "{text}");
 }
+
+/// `posthorn loadtest plan` prints the capacity plan of docs/capacity.md's worked example, and
+/// its JSON has the figures the page quotes; bad input is a usage error (64).
+#[tokio::test]
+async fn the_capacity_plan_of_the_docs() {
+    let output = Command::new(BIN)
+        .args([
+            "loadtest",
+            "plan",
+            "--devices",
+            "50000",
+            "--unicast-rate",
+            "1000",
+            "--broadcast-rate",
+            "1",
+            "--size",
+            "256",
+        ])
+        .output()
+        .await
+        .expect("run posthorn loadtest plan");
+    assert_eq!(output.status.code(), Some(0));
+    let printed = String::from_utf8_lossy(&output.stdout).into_owned();
+    let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/capacity.md"))
+        .expect("docs/capacity.md");
+    for line in printed
+        .lines()
+        .filter(|line| line.starts_with(|first: char| "pdmCeib".contains(first)))
+    {
+        assert!(doc.contains(line), "docs/capacity.md lacks {line:?}");
+    }
+    let output = Command::new(BIN)
+        .args(["loadtest", "plan", "--devices", "0"])
+        .output()
+        .await
+        .expect("run posthorn loadtest plan");
+    assert_eq!(output.status.code(), Some(64));
+}

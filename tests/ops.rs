@@ -9,7 +9,7 @@ use serde_json::Value;
 use tokio::time::Instant;
 
 use support::http::{self, HttpResponse};
-use support::{live_stream, metrics, stream_path, Hub, SseClient};
+use support::{live_stream, metrics, publish_to, stream_path, Hub, SseClient};
 
 /// Failure guard for anything the hub should do "at once".
 const WAIT: Duration = Duration::from_secs(10);
@@ -138,6 +138,10 @@ async fn metrics_have_help_and_initial_labels() {
         ("router_events_total", "counter"),
         ("drain_in_progress", "gauge"),
         ("drain_duration_seconds", "gauge"),
+        ("replays_in_flight", "gauge"),
+        ("replay_duration_seconds", "histogram"),
+        ("sse_delivery_lag_seconds", "histogram"),
+        ("publish_duration_seconds", "histogram"),
         ("process_resident_memory_bytes", "gauge"),
     ];
     let missing: Vec<&str> = expected
@@ -178,6 +182,53 @@ async fn metrics_have_help_and_initial_labels() {
     assert!(
         scrape.value_or_zero("process_resident_memory_bytes", &[]) > 0.0,
         "RSS of a running process"
+    );
+}
+
+/// `sse_delivery_lag_seconds` observes every live event written to a stream, once per stream
+/// (a broadcast to two streams is two observations), and no replayed one;
+/// `publish_duration_seconds` observes every answered publish, refused ones too.
+#[tokio::test]
+async fn delivery_lag_and_publish_duration_are_observed() {
+    let hub = Hub::builder().start().await;
+    let mut first = live_stream(&hub, "pos-1").await;
+    let mut second = live_stream(&hub, "pos-2").await;
+    let cursor = publish_to(&hub, "pos-1", "one").await;
+    publish_to(&hub, "pos-1", "two").await;
+    let response = http::post_json(
+        hub.addr(),
+        "/v1/events",
+        &serde_json::json!({ "broadcast": true, "type": "notice", "data": "all" }),
+    )
+    .await;
+    assert_eq!(response.status, 201);
+    first.expect_events(3, WAIT).await;
+    second.expect_events(1, WAIT).await;
+    let refused = http::post_json(hub.addr(), "/v1/events", &serde_json::json!({})).await;
+    assert_eq!(refused.status, 400);
+    // A resume replays two events: not a delivery lag.
+    let mut resumed = SseClient::connect(
+        hub.addr(),
+        &stream_path("pos-1"),
+        &[("Last-Event-ID", cursor.as_str())],
+    )
+    .await;
+    resumed.expect_events(2, WAIT).await;
+
+    let scrape = metrics::scrape(hub.addr()).await;
+    assert_eq!(
+        scrape.value("sse_delivery_lag_seconds_count", &[]),
+        Some(4.0),
+        "three live events on pos-1 and the broadcast on pos-2"
+    );
+    assert_eq!(
+        scrape.value("sse_delivery_lag_seconds_bucket", &[("le", "+Inf")]),
+        Some(4.0)
+    );
+    assert_eq!(
+        scrape.value("publish_duration_seconds_count", &[]),
+        Some(4.0),
+        "three accepted publishes and one refused"
     );
 }
 

@@ -45,6 +45,7 @@ pub struct RoutedEvent {
     pub target: Target,
     pub epoch: EpochId,
     pub position: Position,
+    pub appended_ms: u64,
     pub frame: Bytes,
 }
 
@@ -259,6 +260,7 @@ impl Handler<RouteBatch> for Router {
             target,
             epoch,
             position,
+            appended_ms,
             frame,
         } in batch.events
         {
@@ -267,6 +269,7 @@ impl Handler<RouteBatch> for Router {
                     let item = QueueItem::Event {
                         epoch,
                         position,
+                        appended_ms,
                         frame,
                     };
                     let result = self.offer(shard, &device, item);
@@ -275,6 +278,7 @@ impl Handler<RouteBatch> for Router {
                 Target::Broadcast => self.offer_to_shard(shard, || QueueItem::Event {
                     epoch,
                     position,
+                    appended_ms,
                     frame: frame.clone(),
                 }),
             }
@@ -553,6 +557,7 @@ mod tests {
             target: Target::Device(DeviceId::parse(device).unwrap()),
             epoch: alpha(),
             position: Position::new(1, seq),
+            appended_ms: 1,
             frame: Bytes::from(format!("unicast {seq}")),
         }
     }
@@ -563,6 +568,7 @@ mod tests {
             target: Target::Broadcast,
             epoch: alpha(),
             position: Position::new(1, seq),
+            appended_ms: 1,
             frame: frame.clone(),
         }
     }

@@ -15,7 +15,7 @@
 
 use std::{
     sync::{Arc, Mutex},
-    time::{Duration, SystemTime, UNIX_EPOCH},
+    time::Duration,
 };
 
 use actix::prelude::*;
@@ -26,7 +26,7 @@ use super::router::{RouteBatch, RoutedEvent, RoutedResync};
 use crate::{
     backend::{trim_interval, Backend, Tail, TailBatch},
     metrics::Metrics,
-    model::{Cursor, Position},
+    model::{unix_ms, Cursor, Position},
     report::Report,
     sse::frame,
     stop::sleep_or_stop,
@@ -282,7 +282,6 @@ impl TailLoop {
             gaps,
             events,
             skipped,
-            newest_ms,
         } = batch;
         if skipped > 0 {
             self.metrics.tail_entries_skipped.inc_by(skipped);
@@ -291,7 +290,7 @@ impl TailLoop {
                 self.group
             );
         }
-        let newest_ms = newest_ms.or_else(|| events.iter().map(|event| event.position.ms).max());
+        let newest_ms = events.iter().map(|event| event.appended_ms).max();
         let count = events.len() as u64;
         if count > 0 {
             self.metrics.tail_batch(self.group, events.len());
@@ -306,6 +305,7 @@ impl TailLoop {
                     target: event.target,
                     epoch: event.epoch.id(),
                     position: event.position,
+                    appended_ms: event.appended_ms,
                 }
             })
             .collect();
@@ -328,7 +328,7 @@ impl TailLoop {
             })
             .collect();
         // An empty read (a BLOCK timeout) means the tail has caught up: no lag.
-        let lag = newest_ms.map_or(0.0, |ms| now_ms().saturating_sub(ms) as f64 / 1000.0);
+        let lag = newest_ms.map_or(0.0, |ms| unix_ms().saturating_sub(ms) as f64 / 1000.0);
         self.metrics.tail_lag(self.group, lag);
         let last_ids = tail.last_positions();
         self.update(|s| {
@@ -368,13 +368,6 @@ async fn trim_periodically(
 
 fn backoff_was_used(backoff: &Backoff) -> bool {
     backoff.next != backoff.min
-}
-
-fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
 }
 
 #[cfg(test)]

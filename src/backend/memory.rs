@@ -9,7 +9,7 @@ use std::{
     collections::{HashMap, VecDeque},
     ops::Range,
     sync::{Arc, Mutex, MutexGuard},
-    time::{Duration, Instant, SystemTime, UNIX_EPOCH},
+    time::{Duration, Instant},
 };
 
 use futures_util::{future::BoxFuture, FutureExt};
@@ -19,7 +19,7 @@ use super::{
     Appended, Backend, BackendResult, Gap, ItemOutcome, NewEvent, ReadPage, ShardState,
     StoredEvent, Tail, TailBatch,
 };
-use crate::model::{shard_of, Cursor, Epoch, Position, ResyncReason, Target};
+use crate::model::{shard_of, unix_ms, Cursor, Epoch, Position, ResyncReason, Target};
 
 #[derive(Debug, Clone)]
 pub struct MemorySettings {
@@ -92,13 +92,6 @@ impl ShardLog {
     }
 }
 
-fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
-}
-
 impl MemoryBackend {
     pub fn new(settings: MemorySettings) -> Self {
         let shards = (0..settings.shards).map(|_| ShardLog::default()).collect();
@@ -128,7 +121,7 @@ impl Inner {
 
     fn append(&self, events: Vec<NewEvent>) -> Vec<ItemOutcome> {
         let now = Instant::now();
-        let wall_ms = now_ms();
+        let wall_ms = unix_ms();
         let settings = &self.settings;
         let mut state = self.lock();
         while let Some((at, _)) = state.dedupe_order.front() {
@@ -175,6 +168,7 @@ impl Inner {
                     shard,
                     epoch: self.epoch.clone(),
                     position,
+                    appended_ms: position.ms,
                     target: event.target.clone(),
                     event_type: event.event_type.clone(),
                     data: data.clone(),
@@ -281,7 +275,7 @@ impl Backend for MemoryBackend {
     }
 
     fn trim(&self, _group: usize) -> BoxFuture<'_, BackendResult<()>> {
-        let wall_ms = now_ms();
+        let wall_ms = unix_ms();
         let settings = &self.inner.settings;
         for log in self.inner.lock().shards.iter_mut() {
             log.trim(wall_ms, settings.retention, settings.max_len);

@@ -149,6 +149,9 @@ pub struct StoredEvent {
     /// The life of the shard it was read in.
     pub epoch: Epoch,
     pub position: Position,
+    /// Unix ms at which it was appended, by the backend's clock: the time in the position for
+    /// memory and Redis, the message timestamp for JetStream.
+    pub appended_ms: u64,
     pub target: Target,
     pub event_type: EventType,
     pub data: Arc<str>,
@@ -225,10 +228,6 @@ pub struct TailBatch {
     pub events: Vec<StoredEvent>,
     /// Entries read but not deliverable (missing or invalid fields), counted by the StreamTail.
     pub skipped: u64,
-    /// Unix ms at which the newest entry read was appended, for the lag metric, when positions
-    /// do not carry that time (JetStream positions are stream sequences). `None`: the lag comes
-    /// from `Position::ms` of the newest event (memory, Redis).
-    pub newest_ms: Option<u64>,
 }
 
 /// The per-group reader a StreamTail drives. Dropping it abandons any blocked read.

@@ -1,5 +1,6 @@
 //! The `posthorn` command line (README.md): one file per subcommand.
 
+pub mod config;
 pub mod publish;
 pub mod serve;
 pub mod shard_key;
@@ -40,6 +41,8 @@ pub enum Command {
     Tail(tail::TailArgs),
     /// Mint a JWT with the configured HS256 secret (device or scopes).
     Token(token::TokenArgs),
+    /// Check, show or print the default configuration.
+    Config(config::ConfigArgs),
     /// Load tester: idle, storm, fanout, slow, drain and resume scenarios against posthorn or
     /// nchan.
     Loadtest(crate::loadtest::LoadtestArgs),
@@ -75,7 +78,7 @@ impl CliError {
 }
 
 /// `--config PATH`, shared by every subcommand that reads the configuration.
-#[derive(Debug, clap::Args)]
+#[derive(Debug, Clone, clap::Args)]
 pub struct ConfigArg {
     /// Configuration file (default: built-in defaults; see config/posthorn.toml).
     #[arg(long, value_name = "PATH")]
@@ -95,6 +98,7 @@ pub fn run(cli: Cli) -> Result<(), CliError> {
         Command::ShardKey(args) => shard_key::run(args),
         Command::Tail(args) => tail::run(args),
         Command::Token(args) => token::run(args),
+        Command::Config(args) => config::run(args),
         Command::Loadtest(args) => Ok(crate::loadtest::run(args)?),
     }
 }

@@ -78,6 +78,9 @@ impl Default for Config {
     }
 }
 
+/// The reference configuration file: every key with its default and what it means.
+pub const REFERENCE_FILE: &str = include_str!("../../config/posthorn.toml");
+
 impl Config {
     /// Load from `path` (or the defaults when `None`), then apply the
     /// environment overlay and validate.
@@ -180,6 +183,32 @@ impl Config {
         self.server.listen.ip().is_loopback()
     }
 
+    /// The configuration as a configuration file would say it (`posthorn config show`): the
+    /// keys of the reference file, in its sections, with the values of [`Config::summary`]
+    /// (the user-info of URLs redacted); derived values are left out, and `auth.jwt_secret` is
+    /// empty whatever it holds (a file that shows a placeholder would load it as the secret).
+    pub fn as_file(&self) -> Table {
+        let mut summary = self.summary();
+        if let Some(secret) = summary.pointer_mut("/auth/jwt_secret") {
+            *secret = serde_json::Value::from("");
+        }
+        let mut file = raw::schema();
+        for (section, keys) in file.iter_mut() {
+            let Some(keys) = keys.as_table_mut() else {
+                continue;
+            };
+            for (key, value) in keys.iter_mut() {
+                if let Some(shown) = summary.get(section).and_then(|values| values.get(key)) {
+                    // Strings, integers, booleans and lists of strings, like the schema's.
+                    if let Ok(shown) = Value::try_from(shown) {
+                        *value = shown;
+                    }
+                }
+            }
+        }
+        file
+    }
+
     /// The whole configuration as JSON for /admin/status, with the JWT secret
     /// reduced to "(set)"/"(empty)" and passwords removed from URLs.
     pub fn summary(&self) -> serde_json::Value {
@@ -255,7 +284,7 @@ mod tests {
     use std::collections::HashMap;
     use std::time::Duration;
 
-    const REFERENCE: &str = include_str!("../../config/posthorn.toml");
+    const REFERENCE: &str = REFERENCE_FILE;
 
     fn no_env() -> HashMap<String, String> {
         HashMap::new()

@@ -2,6 +2,7 @@
 
 pub mod auth;
 pub mod browser;
+pub mod console;
 pub mod cors;
 pub mod error;
 pub mod ops;
@@ -78,6 +79,7 @@ pub fn configure(state: AppState) -> impl FnOnce(&mut web::ServiceConfig) {
             .service(web::resource("/metrics").route(web::get().to(ops::metrics)))
             .service(web::resource("/admin/status").route(web::get().to(ops::status)))
             .service(web::resource("/admin/drain").route(web::post().to(ops::drain)))
+            .service(web::resource("/admin/console").route(web::get().to(console::page)))
             .default_service(web::to(not_found));
     }
 }

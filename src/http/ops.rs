@@ -36,7 +36,7 @@ pub async fn metrics(state: web::Data<AppState>) -> HttpResponse {
 
 /// Admin endpoints need the `admin` scope with jwt auth, and a loopback client that no browser
 /// sent for another site with auth `none`.
-fn require_admin(request: &HttpRequest, state: &AppState) -> Result<(), ApiError> {
+pub(super) fn require_admin(request: &HttpRequest, state: &AppState) -> Result<(), ApiError> {
     state.auth.check(request, Access::Admin)?;
     if state.auth.is_enabled() {
         return Ok(());

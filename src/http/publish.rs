@@ -4,6 +4,8 @@
 //! publishes), the answer is 207 and names per item its id or why it has none; a batch of which
 //! nothing is known to be stored is a 503.
 
+use std::time::Instant;
+
 use actix_web::{web, HttpRequest, HttpResponse};
 use futures_util::StreamExt;
 use serde_json::{json, Map, Value};
@@ -23,6 +25,20 @@ pub async fn publish(
     request: HttpRequest,
     payload: web::Payload,
     state: web::Data<AppState>,
+) -> Result<HttpResponse, ApiError> {
+    let started = Instant::now();
+    let answer = answer_publish(request, payload, &state).await;
+    state
+        .metrics
+        .publish_duration_seconds
+        .observe(started.elapsed().as_secs_f64());
+    answer
+}
+
+async fn answer_publish(
+    request: HttpRequest,
+    payload: web::Payload,
+    state: &AppState,
 ) -> Result<HttpResponse, ApiError> {
     // Before reading the body: an unauthenticated producer gets nothing buffered.
     state.auth.check(&request, Access::Publish)?;

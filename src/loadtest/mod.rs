@@ -13,6 +13,7 @@ mod drain;
 mod fanout;
 mod idle;
 mod payload;
+mod plan;
 mod plot;
 mod probe;
 mod publisher;
@@ -60,6 +61,9 @@ pub enum Scenario {
     /// N clients resume at once after being away while events were published: time until all
     /// caught up, loss, peak server memory, backend reads per replayed event.
     Resume(resume::ResumeArgs),
+    /// Capacity calculator (docs/capacity.md): pods, memory, CPU and network for a fleet, from
+    /// the figures measured by the other scenarios. Connects to nothing.
+    Plan(plan::PlanArgs),
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
@@ -487,6 +491,7 @@ fn per_connection(
 
 pub fn run(args: LoadtestArgs) -> Result<(), LoadtestError> {
     let common = match &args.scenario {
+        Scenario::Plan(a) => return plan::run(a),
         Scenario::Idle(a) => &a.common,
         Scenario::Storm(a) => &a.common,
         Scenario::Fanout(a) => &a.common,
@@ -519,6 +524,7 @@ pub fn run(args: LoadtestArgs) -> Result<(), LoadtestError> {
                 Scenario::Slow(a) => slow::run(&run, a).await,
                 Scenario::Drain(a) => drain::run(&run, a).await,
                 Scenario::Resume(a) => resume::run(&run, a).await,
+                Scenario::Plan(_) => unreachable!("a plan connects to nothing and returned above"),
             }
         };
         match tokio::time::timeout(time_limit, work).await {

@@ -12,3 +12,11 @@ pub use cursor::{Cursor, CursorError, Epoch, EpochId, Position};
 pub use ident::{DeviceId, EventType, IdentError, Target};
 pub use resync::ResyncReason;
 pub use shard::shard_of;
+
+/// The wall clock in Unix milliseconds, the unit of positions (0 if the clock is before 1970).
+pub fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|since| since.as_millis() as u64)
+        .unwrap_or(0)
+}

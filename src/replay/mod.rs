@@ -183,6 +183,7 @@ impl Replayer {
                 send(QueueItem::Event {
                     epoch: epoch.id(),
                     position: event.position,
+                    appended_ms: event.appended_ms,
                     frame: frame::event(&id, event.event_type.as_str(), &event.data),
                 })
                 .await?;

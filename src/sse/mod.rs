@@ -17,6 +17,8 @@ pub enum QueueItem {
     Event {
         epoch: EpochId,
         position: Position,
+        /// Unix ms at which the backend stored it (0: unknown), for the delivery lag.
+        appended_ms: u64,
         frame: Bytes,
     },
     /// The replay starts after this position of this epoch (the client's cursor): live events at

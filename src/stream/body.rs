@@ -38,7 +38,7 @@ use tokio::sync::mpsc;
 use super::{connection::BodyDropped, control::StreamControl, queue::QueueReceiver};
 use crate::{
     metrics::Metrics,
-    model::{EpochId, Position, ResyncReason},
+    model::{unix_ms, EpochId, Position, ResyncReason},
     pod::PodState,
     sse::{frame, QueueItem},
 };
@@ -229,6 +229,8 @@ impl MessageBody for SseBody {
         let mut chunk = Chunk::default();
         // Counted per chunk: one shared atomic update per write, not one per event.
         let (mut events, mut pings) = (0, 0);
+        // Read once per chunk, for the delivery lag of the live events in it.
+        let mut now_ms = None;
         while !this.ended && chunk.len() < MAX_CHUNK {
             let Some((item, replaying)) = this.poll_item(cx) else {
                 break;
@@ -237,11 +239,18 @@ impl MessageBody for SseBody {
                 QueueItem::Event {
                     epoch,
                     position,
+                    appended_ms,
                     frame,
                 } => {
                     if this.admit_event(epoch, position) {
                         events += 1;
                         chunk.push(frame);
+                        if !replaying && appended_ms > 0 {
+                            let now = *now_ms.get_or_insert_with(unix_ms);
+                            this.metrics
+                                .sse_delivery_lag_seconds
+                                .observe(now.saturating_sub(appended_ms) as f64 / 1000.0);
+                        }
                     }
                 }
                 QueueItem::Resync {
@@ -481,6 +490,7 @@ mod tests {
         QueueItem::Event {
             epoch: life(name),
             position: at(seq),
+            appended_ms: 0,
             frame: Bytes::from(format!("E {name} {seq}\n")),
         }
     }
@@ -760,6 +770,7 @@ mod tests {
         stream.live(QueueItem::Event {
             epoch: life("alpha"),
             position: at(1),
+            appended_ms: 0,
             frame: frame.clone(),
         });
         let (chunks, _) = stream.chunks();
@@ -775,6 +786,7 @@ mod tests {
             stream.live(QueueItem::Event {
                 epoch: life("alpha"),
                 position: at(seq),
+                appended_ms: 0,
                 frame: Bytes::from(vec![b'x'; 40 * 1024]),
             });
         }

@@ -372,6 +372,7 @@ mod tests {
         QueueItem::Event {
             epoch: crate::model::Epoch::new("alpha").unwrap().id(),
             position: Position::new(1, seq),
+            appended_ms: 0,
             frame: Bytes::from(format!("E {text}\n")),
         }
     }
@@ -559,6 +560,7 @@ mod tests {
             .try_send(QueueItem::Event {
                 epoch: newest.epoch.id(),
                 position: Position::new(newest.position.ms + 1, 0),
+                appended_ms: 0,
                 frame: Bytes::from_static(b"E live\n"),
             })
             .unwrap();

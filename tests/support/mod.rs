@@ -1,7 +1,7 @@
 //! Black-box test harness for the `posthorn` binary: process control
 //! ([`hub`]), a raw HTTP/1.1 client ([`http`]), an SSE client and decoder
 //! ([`sse`]), a Prometheus text scraper ([`metrics`]), and the servers it
-//! runs against: Redis standalone and cluster ([`redis`]), NATS JetStream
+//! runs against: headless Chromium ([`chromium`]), Redis standalone and cluster ([`redis`]), NATS JetStream
 //! alone ([`nats`]) or clustered ([`nats_cluster`]), nginx ([`nginx`]), and the certificates of
 //! TLS tests ([`tls`]).
 //!
@@ -9,6 +9,7 @@
 //! the blanket `dead_code` allowance.
 #![allow(dead_code)]
 
+pub mod chromium;
 pub mod http;
 pub mod hub;
 pub mod metrics;

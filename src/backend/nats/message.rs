@@ -34,12 +34,13 @@ pub fn message_id(target: &Target, shard: u32, key: &str) -> String {
     }
 }
 
-/// The event stored at `sequence` on `shard` in life `epoch`, or `None` when it cannot be
-/// delivered.
+/// The event stored at `sequence` on `shard` in life `epoch` at `published_ms`, or `None` when
+/// it cannot be delivered.
 pub fn event(
     shard: u32,
     epoch: &Epoch,
     sequence: u64,
+    published_ms: u64,
     headers: Option<&HeaderMap>,
     payload: &[u8],
 ) -> Option<StoredEvent> {
@@ -53,6 +54,7 @@ pub fn event(
         shard,
         epoch: epoch.clone(),
         position: position(sequence),
+        appended_ms: published_ms,
         target,
         event_type,
         data: Arc::from(std::str::from_utf8(payload).ok()?),
@@ -79,11 +81,13 @@ mod tests {
             3,
             &Epoch::new("e").unwrap(),
             42,
+            1_700_000_000_000,
             Some(&headers(&[(DEV_HEADER, "pos-1")])),
             b"a\nb",
         )
         .unwrap();
         assert_eq!(unicast.position, position(42));
+        assert_eq!(unicast.appended_ms, 1_700_000_000_000);
         assert_eq!(unicast.shard, 3);
         assert_eq!(unicast.event_type.as_str(), "message");
         assert_eq!(&*unicast.data, "a\nb");
@@ -91,6 +95,7 @@ mod tests {
             0,
             &Epoch::new("e").unwrap(),
             7,
+            0,
             Some(&headers(&[(DEV_HEADER, "*"), (TYPE_HEADER, "price.table")])),
             b"",
         )
@@ -127,7 +132,15 @@ mod tests {
         ];
         for (headers, payload) in &cases {
             assert!(
-                event(1, &Epoch::new("e").unwrap(), 1, headers.as_ref(), payload).is_none(),
+                event(
+                    1,
+                    &Epoch::new("e").unwrap(),
+                    1,
+                    0,
+                    headers.as_ref(),
+                    payload
+                )
+                .is_none(),
                 "{headers:?} {payload:?}"
             );
         }

@@ -14,7 +14,7 @@
 //!   A stream deleted at run time is created again by the next tail check or resume, two
 //!   seconds after it was found gone (nats-server removes the old files in the background).
 //! - **Positions** are stream sequences (`Position { ms: 0, seq }`, see [`layout`]); the tail
-//!   reports message timestamps separately for its lag metric (`TailBatch::newest_ms`).
+//!   reports message timestamps in `StoredEvent::appended_ms`, for the lag metrics.
 //! - **Epoch**: the stream's creation time ([`layout::epoch_of`]), kept in the store, so a
 //!   restart with its store directory keeps every cursor valid, and a recreated stream answers
 //!   older cursors `resync` `data_lost`. Appends stamp the epoch last seen (at start-up, by the
@@ -513,14 +513,17 @@ impl Inner {
                 while let Some(message) = batch.next().await {
                     let message = message.map_err(|error| unavailable("fetch", error))?;
                     got += 1;
-                    let sequence = message
+                    let info = message
                         .info()
-                        .map_err(|error| unavailable("message info", error))?
-                        .stream_sequence;
+                        .map_err(|error| unavailable("message info", error))?;
+                    let sequence = info.stream_sequence;
+                    let published_ms =
+                        (info.published.unix_timestamp_nanos() / 1_000_000).max(0) as u64;
                     let parsed = message::event(
                         shard,
                         &reading,
                         sequence,
+                        published_ms,
                         message.headers.as_ref(),
                         &message.payload,
                     );

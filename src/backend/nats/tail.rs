@@ -189,7 +189,6 @@ impl NatsTail {
             self.gaps(ResyncReason::Expired, &mut batch.gaps);
         }
         self.last = sequence;
-        batch.newest_ms = Some(published_ms);
         let event = self
             .inner
             .layout
@@ -199,6 +198,7 @@ impl NatsTail {
                     shard,
                     &self.epoch,
                     sequence,
+                    published_ms,
                     delivery.headers.as_ref(),
                     &delivery.payload,
                 )

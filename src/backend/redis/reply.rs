@@ -85,6 +85,7 @@ fn event(shard: u32, epoch: &Epoch, position: Position, fields: &Value) -> Optio
         shard,
         epoch: epoch.clone(),
         position,
+        appended_ms: position.ms,
         target: Target::from_field(dev?).ok()?,
         event_type: match event_type {
             None => EventType::message(),
