@@ -2,8 +2,8 @@
 //! ([`hub`]), a raw HTTP/1.1 client ([`http`]), an SSE client and decoder
 //! ([`sse`]), a Prometheus text scraper ([`metrics`]), and the servers it
 //! runs against: headless Chromium ([`chromium`]), Redis standalone and cluster ([`redis`]), NATS JetStream
-//! alone ([`nats`]) or clustered ([`nats_cluster`]), nginx ([`nginx`]), and the certificates of
-//! TLS tests ([`tls`]).
+//! alone ([`nats`]) or clustered ([`nats_cluster`]), nginx ([`nginx`]), Prometheus scraping hubs
+//! ([`prometheus`]), and the certificates of TLS tests ([`tls`]).
 //!
 //! Every test binary does `mod support;` and uses a different subset, hence
 //! the blanket `dead_code` allowance.
@@ -16,6 +16,7 @@ pub mod metrics;
 pub mod nats;
 pub mod nats_cluster;
 pub mod nginx;
+pub mod prometheus;
 pub mod redis;
 pub mod sse;
 pub mod tls;
