@@ -82,6 +82,7 @@ pub struct Metrics {
     router_events: [IntCounter; 4],
     publish_events: IntCounterVec,
     pub drain_in_progress: IntGauge,
+    pub ready: IntGauge,
     pub drain_duration_seconds: Gauge,
 }
 
@@ -289,6 +290,12 @@ impl Metrics {
             router_events,
             publish_events,
             drain_in_progress: gauge(r, "drain_in_progress", "1 while this pod is draining"),
+            ready: gauge(
+                r,
+                "ready",
+                "1 while GET /readyz answers 200 (not draining, backend answering), as of the last \
+                 probe or scrape",
+            ),
             drain_duration_seconds,
             registry,
         }

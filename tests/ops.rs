@@ -138,6 +138,7 @@ async fn metrics_have_help_and_initial_labels() {
         ("router_events_total", "counter"),
         ("drain_in_progress", "gauge"),
         ("drain_duration_seconds", "gauge"),
+        ("ready", "gauge"),
         ("replays_in_flight", "gauge"),
         ("replay_duration_seconds", "histogram"),
         ("sse_delivery_lag_seconds", "histogram"),
@@ -364,7 +365,8 @@ async fn admin_status_reports_state_without_secrets() {
     );
 }
 
-/// `POST /admin/drain?exit=false` drains without exiting: readiness and new streams answer 503
+/// `POST /admin/drain?exit=false` drains without exiting: readiness (and the `ready` gauge) and
+/// new streams answer 503
 /// with `Retry-After`, an open stream ends cleanly with a `retry:` from
 /// `[drain.retry_min, drain.retry_max]`, the process keeps serving, and status and metrics show
 /// the finished drain.
@@ -384,10 +386,22 @@ async fn admin_drain_without_exit() {
         "the stream's first retry is sse.retry_ms"
     );
 
+    let scrape = metrics::scrape(hub.addr()).await;
+    assert_eq!(
+        scrape.value("ready", &[]),
+        Some(1.0),
+        "ready before the drain"
+    );
     let resp = http::request(hub.addr(), "POST", "/admin/drain?exit=false", &[], None).await;
     assert_eq!(resp.status, 202, "{}", resp.text());
     let body = resp.json();
     assert_eq!(body["exit"], false, "{body}");
+    let scrape = metrics::scrape(hub.addr()).await;
+    assert_eq!(
+        scrape.value("ready", &[]),
+        Some(0.0),
+        "not ready while draining"
+    );
 
     let resp = http::get(hub.addr(), "/readyz").await;
     assert_json_error(&resp, 503, "draining");

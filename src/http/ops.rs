@@ -18,17 +18,29 @@ pub async fn healthz() -> HttpResponse {
 }
 
 pub async fn readyz(state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
-    if state.pod.is_draining() {
-        return Err(ApiError::Draining);
-    }
-    match tokio::time::timeout(READY_TIMEOUT, state.backend.ping()).await {
-        Ok(Ok(())) => Ok(HttpResponse::Ok().json(json!({ "status": "ready" }))),
-        Ok(Err(error)) => Err(error.into()),
-        Err(_) => Err(ApiError::BackendSilent(READY_TIMEOUT)),
-    }
+    readiness(&state).await?;
+    Ok(HttpResponse::Ok().json(json!({ "status": "ready" })))
+}
+
+/// Whether the pod takes new streams: not draining, and its backend answers a ping. Also noted in
+/// the `ready` gauge, so that a scrape sees what the last probe (or the scrape itself) found.
+async fn readiness(state: &AppState) -> Result<(), ApiError> {
+    let verdict = if state.pod.is_draining() {
+        Err(ApiError::Draining)
+    } else {
+        match tokio::time::timeout(READY_TIMEOUT, state.backend.ping()).await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(error)) => Err(error.into()),
+            Err(_) => Err(ApiError::BackendSilent(READY_TIMEOUT)),
+        }
+    };
+    state.metrics.ready.set(i64::from(verdict.is_ok()));
+    verdict
 }
 
 pub async fn metrics(state: web::Data<AppState>) -> HttpResponse {
+    // Readiness as of this scrape, also where nothing probes /readyz.
+    let _ = readiness(&state).await;
     HttpResponse::Ok()
         .content_type("text/plain; version=0.0.4")
         .body(state.metrics.render())
