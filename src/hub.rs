@@ -231,6 +231,7 @@ pub fn serve(config: Config) -> Result<(), ServeError> {
             drain: drain_status,
             auth,
         };
+        http::ops::watch_readiness(state.clone());
         let server = http::server(state, https.clone()).map_err(|source| ServeError::Bind {
             addr: config.server.listen,
             source,

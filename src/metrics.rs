@@ -293,8 +293,8 @@ impl Metrics {
             ready: gauge(
                 r,
                 "ready",
-                "1 while GET /readyz answers 200 (not draining, backend answering), as of the last \
-                 probe or scrape",
+                "1 while GET /readyz answers 200 (not draining, backend answering), checked every 5 s \
+                 and at each probe",
             ),
             drain_duration_seconds,
             registry,

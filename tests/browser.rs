@@ -172,6 +172,34 @@ async fn listed_origins_may_publish() {
     assert_eq!(response.status, 403, "{}", response.text());
 }
 
+/// `server.cors_origins = ["*"]` lets any page publish, but not drain the pod or read its
+/// status: /admin takes only origins listed by name (and the hub's own).
+#[tokio::test]
+async fn the_cors_wildcard_does_not_open_admin() {
+    let hub = Hub::builder()
+        .env("POSTHORN_SERVER__CORS_ORIGINS", "*")
+        .start()
+        .await;
+    let origin = ("Origin", "https://any.example");
+    let response = post(
+        &hub,
+        "/v1/events",
+        &[("Content-Type", "application/json"), origin],
+        &event_body("from any page"),
+    )
+    .await;
+    assert_eq!(response.status, 201, "{}", response.text());
+    let response = post(&hub, "/admin/drain", &[origin], b"").await;
+    assert_eq!(response.status, 403, "{}", response.text());
+    let status = http::request(hub.addr(), "GET", "/admin/status", &[origin], None).await;
+    assert_eq!(status.status, 403, "{}", status.text());
+    assert_eq!(
+        http::get(hub.addr(), "/readyz").await.status,
+        200,
+        "still serving"
+    );
+}
+
 /// A DNS-rebinding page names its own host: streams, publish and admin refuse any Host that is
 /// not a loopback name or address, unless `server.allowed_hosts` lists it.
 #[tokio::test]

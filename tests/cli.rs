@@ -552,8 +552,43 @@ async fn config_check_names_the_key_at_fault() {
     }
 }
 
+/// `config check` takes `serve`'s flags and judges what `serve` would run with them: a public
+/// `--listen` is refused unless `--insecure`, and `--backend redis` checks Redis' files.
+#[tokio::test]
+async fn config_check_takes_the_flags_of_serve() {
+    // (serve's flags, environment, the key a refusal must name)
+    type Case<'a> = (&'a [&'a str], &'a [(&'a str, &'a str)], Option<&'a str>);
+    let cases: [Case; 3] = [
+        (&["--listen", "0.0.0.0:8080"], &[], Some("auth.mode")),
+        (&["--listen", "0.0.0.0:8080", "--insecure"], &[], None),
+        (
+            &["--backend", "redis"],
+            &[("POSTHORN_REDIS__PASSWORD_FILE", "/nonexistent/password")],
+            Some("redis.password_file"),
+        ),
+    ];
+    for (args, envs, refused_for) in cases {
+        let mut cmd = posthorn();
+        cmd.args(["config", "check"]).args(args);
+        cmd.envs(envs.iter().copied());
+        let output = run(cmd).await;
+        let stderr = text(&output.stderr);
+        match refused_for {
+            Some(key) => {
+                assert_eq!(output.status.code(), Some(EX_USAGE), "{args:?}: {stderr}");
+                assert!(
+                    stderr.contains(key),
+                    "{args:?} does not name {key}: {stderr}"
+                );
+            }
+            None => assert_eq!(output.status.code(), Some(0), "{args:?}: {stderr}"),
+        }
+    }
+}
+
 /// `config show` prints the effective configuration — defaults, the file and the environment
-/// together — as a configuration file that `config check` accepts, with no secret in it.
+/// together — as a configuration file, with no secret in it; `config check` accepts it once
+/// the redacted credentials are put back.
 #[tokio::test]
 async fn config_show_is_the_effective_configuration_without_secrets() {
     let file = TempFile::new(
@@ -591,12 +626,28 @@ async fn config_show_is_the_effective_configuration_without_secrets() {
     }
     assert!(shown.contains("jwt_secret is set, not shown"), "{shown}");
 
+    // Fed back, the placeholder of the URL's password is refused rather than taken for a user;
+    // with the password back in place the file is the same configuration.
     let saved = TempFile::new("shown.toml", &shown);
-    let mut cmd = posthorn();
-    cmd.args(["config", "check", "--config"])
-        .arg(&saved.0)
-        .env("POSTHORN_AUTH__JWT_SECRET", "correct-horse-battery-staple");
-    let output = run(cmd).await;
+    let check = |path: &Path| {
+        let mut cmd = posthorn();
+        cmd.args(["config", "check", "--config"])
+            .arg(path)
+            .env("POSTHORN_AUTH__JWT_SECRET", "correct-horse-battery-staple");
+        run(cmd)
+    };
+    let output = check(&saved.0).await;
+    assert_eq!(output.status.code(), Some(EX_USAGE));
+    assert!(
+        text(&output.stderr).contains("redis.url"),
+        "{}",
+        text(&output.stderr)
+    );
+    let restored = TempFile::new(
+        "restored.toml",
+        &shown.replace("(redacted)@", "hub:hunter2@"),
+    );
+    let output = check(&restored.0).await;
     assert_eq!(output.status.code(), Some(0), "{}", text(&output.stderr));
 }
 

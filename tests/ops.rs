@@ -396,15 +396,15 @@ async fn admin_drain_without_exit() {
     assert_eq!(resp.status, 202, "{}", resp.text());
     let body = resp.json();
     assert_eq!(body["exit"], false, "{body}");
+
+    let resp = http::get(hub.addr(), "/readyz").await;
+    assert_json_error(&resp, 503, "draining");
     let scrape = metrics::scrape(hub.addr()).await;
     assert_eq!(
         scrape.value("ready", &[]),
         Some(0.0),
-        "not ready while draining"
+        "what /readyz answered"
     );
-
-    let resp = http::get(hub.addr(), "/readyz").await;
-    assert_json_error(&resp, 503, "draining");
     assert!(
         resp.header("retry-after")
             .is_some_and(|v| v.parse::<u32>().is_ok()),

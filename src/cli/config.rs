@@ -3,7 +3,7 @@
 
 use clap::Subcommand;
 
-use super::{CliError, ConfigArg};
+use super::{serve::Overrides, CliError, ConfigArg};
 use crate::{config::REFERENCE_FILE, hub};
 
 #[derive(Debug, clap::Args)]
@@ -12,14 +12,24 @@ pub struct ConfigArgs {
     pub command: ConfigCommand,
 }
 
+/// The configuration `serve` would run with the same arguments.
+#[derive(Debug, clap::Args)]
+pub struct Source {
+    #[command(flatten)]
+    pub config: ConfigArg,
+    #[command(flatten)]
+    pub overrides: Overrides,
+}
+
 #[derive(Debug, Subcommand)]
 pub enum ConfigCommand {
-    /// Validate the configuration (file and POSTHORN_* environment) and read every file it
-    /// names, as `serve` does before connecting; exit 0, or 64 naming the key at fault.
-    Check(ConfigArg),
-    /// Print the effective configuration (defaults, file and environment) as TOML, secrets
-    /// redacted.
-    Show(ConfigArg),
+    /// Validate the configuration (file, POSTHORN_* environment and serve's flags) and read
+    /// every file it names, as `serve` does before connecting; exit 0, or 64 naming the key at
+    /// fault.
+    Check(Source),
+    /// Print the effective configuration (defaults, file, environment and serve's flags) as
+    /// TOML, secrets redacted.
+    Show(Source),
     /// Print the reference file: every key with its default and what it means.
     Default,
 }
@@ -27,10 +37,11 @@ pub enum ConfigCommand {
 pub fn run(args: ConfigArgs) -> Result<(), CliError> {
     match args.command {
         ConfigCommand::Check(source) => {
-            let config = source.load()?;
+            let config = source.overrides.load(&source.config)?;
             hub::check_servable(&config)?;
             hub::check_files(&config)?;
             let from = source
+                .config
                 .config
                 .as_deref()
                 .map_or("built-in defaults".to_string(), |path| {
@@ -49,7 +60,7 @@ pub fn run(args: ConfigArgs) -> Result<(), CliError> {
             Ok(())
         }
         ConfigCommand::Show(source) => {
-            let config = source.load()?;
+            let config = source.overrides.load(&source.config)?;
             let text = toml::to_string_pretty(&config.as_file()).map_err(|error| {
                 CliError::Failed(format!("cannot write the configuration: {error}"))
             })?;

@@ -3,12 +3,23 @@
 use std::net::SocketAddr;
 
 use super::{CliError, ConfigArg};
-use crate::{config::BackendKind, hub};
+use crate::{
+    config::{BackendKind, Config},
+    hub,
+};
 
 #[derive(Debug, clap::Args)]
 pub struct ServeArgs {
     #[command(flatten)]
     pub config: ConfigArg,
+    #[command(flatten)]
+    pub overrides: Overrides,
+}
+
+/// The flags of `serve` that override configuration keys; `config check` and `config show` take
+/// them too, so that they judge what `serve` would run.
+#[derive(Debug, Clone, clap::Args)]
+pub struct Overrides {
     /// Listen address (overrides server.listen).
     #[arg(long, value_name = "ADDR")]
     pub listen: Option<SocketAddr>,
@@ -20,20 +31,28 @@ pub struct ServeArgs {
     pub insecure: bool,
 }
 
+impl Overrides {
+    /// The configuration of `source` with these flags applied.
+    pub fn load(&self, source: &ConfigArg) -> Result<Config, CliError> {
+        let mut config = source.load()?;
+        if let Some(listen) = self.listen {
+            config.server.listen = listen;
+        }
+        if let Some(kind) = &self.backend {
+            let kind = BackendKind::from_name(kind).ok_or_else(|| {
+                CliError::Usage(format!(
+                    "--backend: unknown backend {kind:?} (memory, redis, nats)"
+                ))
+            })?;
+            config.select_backend(kind)?;
+        }
+        config.server.insecure |= self.insecure;
+        Ok(config)
+    }
+}
+
 pub fn run(args: ServeArgs) -> Result<(), CliError> {
-    let mut config = args.config.load()?;
-    if let Some(listen) = args.listen {
-        config.server.listen = listen;
-    }
-    if let Some(kind) = args.backend {
-        let kind = BackendKind::from_name(&kind).ok_or_else(|| {
-            CliError::Usage(format!(
-                "--backend: unknown backend {kind:?} (memory, redis, nats)"
-            ))
-        })?;
-        config.select_backend(kind)?;
-    }
-    config.server.insecure |= args.insecure;
+    let config = args.overrides.load(&args.config)?;
     hub::serve(config)?;
     Ok(())
 }

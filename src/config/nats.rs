@@ -12,7 +12,7 @@ use serde::{Serialize, Serializer};
 
 use super::error::{invalid, ConfigError};
 use super::raw::RawNats;
-use super::secret::RedactedUrl;
+use super::secret::{redact_url, refuse_placeholder, RedactedUrl};
 use super::value::{
     duration, int_in, name_chars, optional_path, serialize_duration, serialize_optional_path,
     shards,
@@ -122,10 +122,11 @@ impl TryFrom<RawNats> for NatsConfig {
                 "nats.url",
                 format!(
                     "must be one URL or several separated by commas (got {:?})",
-                    raw.url
+                    redact_url(&raw.url)
                 ),
             ));
         }
+        refuse_placeholder("nats.url", &raw.url)?;
         name_chars("nats.stream", &raw.stream, "A-Za-z0-9_-", |c| {
             c.is_ascii_alphanumeric() || matches!(c, '_' | '-')
         })?;

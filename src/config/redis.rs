@@ -12,7 +12,7 @@ use serde::Serialize;
 
 use super::error::{invalid, ConfigError};
 use super::raw::RawRedis;
-use super::secret::{redact_url, RedactedUrl};
+use super::secret::{redact_url, refuse_placeholder, RedactedUrl};
 use super::value::{
     duration, format_duration, int_in, name_chars, optional_path, serialize_duration,
     serialize_optional_path, shards, MAX_SHARDS,
@@ -225,7 +225,7 @@ impl TryFrom<RawRedis> for RedisConfig {
 
 fn redis_url(key: &str, url: &str) -> Result<(), ConfigError> {
     if url.starts_with("redis://") || url.starts_with("rediss://") {
-        Ok(())
+        refuse_placeholder(key, url)
     } else {
         Err(invalid(
             key,

@@ -90,17 +90,32 @@ impl Serialize for Secret {
     }
 }
 
-/// Replace the user-info part of a URL (`redis://user:pass@host`) with "(redacted)".
+/// Replace the user-info part of a URL (`redis://user:pass@host`) with "(redacted)". Written to
+/// err on the side of hiding: a URL without a scheme (`user:pass@host:4222`, which the NATS client
+/// accepts) is redacted too, and everything up to the *last* `@` counts as user-info, since a
+/// password may hold a `/` or a `#` that a strict parser would take for the path.
 pub(crate) fn redact_url(url: &str) -> String {
-    let Some((scheme, rest)) = url.split_once("://") else {
-        return url.to_string();
+    let (scheme, rest) = match url.split_once("://") {
+        Some((scheme, rest)) => (format!("{scheme}://"), rest),
+        None => (String::new(), url),
     };
-    let authority_end = rest.find('/').unwrap_or(rest.len());
-    let (authority, path) = rest.split_at(authority_end);
-    match authority.rfind('@') {
-        Some(at) => format!("{scheme}://(redacted)@{}{path}", &authority[at + 1..]),
+    match rest.rfind('@') {
+        Some(at) => format!("{scheme}(redacted)@{}", &rest[at + 1..]),
         None => url.to_string(),
     }
+}
+
+/// Refuses a URL whose user-info is the placeholder that `posthorn config show` and
+/// `/admin/status` print: loaded back, it would sign in as the user "(redacted)".
+pub(crate) fn refuse_placeholder(key: &str, url: &str) -> Result<(), super::ConfigError> {
+    if url.contains("(redacted)@") {
+        return Err(super::error::invalid(
+            key,
+            "holds \"(redacted)\", the placeholder for credentials that posthorn config show \
+             prints: put the real user and password back, or use the *_file keys",
+        ));
+    }
+    Ok(())
 }
 
 /// A server URL as configured, which may carry a user and password: shown with the user-info
@@ -168,8 +183,20 @@ mod tests {
             "redis://(redacted)@h:6379/0"
         );
         assert_eq!(url.as_str(), "redis://user:p@ss@h:6379/0");
-        // An '@' in the path is not user-info.
-        assert_eq!(redact_url("nats://h:4222/a@b"), "nats://h:4222/a@b");
+        // A '/' in a password, and a URL without a scheme (the NATS client takes one), are
+        // redacted too; an '@' anywhere is taken for the end of user-info, hiding rather than
+        // showing.
+        assert_eq!(
+            redact_url("redis://:ab/cd@h:6379"),
+            "redis://(redacted)@h:6379"
+        );
+        assert_eq!(
+            redact_url("posthorn:s3cret@nats:4222"),
+            "(redacted)@nats:4222"
+        );
+        assert_eq!(redact_url("nats://h:4222"), "nats://h:4222");
         assert_eq!(redact_url("not a url"), "not a url");
+        assert!(refuse_placeholder("redis.url", "redis://(redacted)@h:6379").is_err());
+        assert!(refuse_placeholder("redis.url", "redis://u:p@h:6379").is_ok());
     }
 }

@@ -60,12 +60,19 @@ impl BrowserGuard {
         let Some(origin) = request.headers().get(header::ORIGIN) else {
             return Ok(());
         };
-        if self.cors.allow(Some(origin)).is_some() || is_same_origin(origin, host) {
+        // `*` lets any page publish, but never drain or read the pod's status: /admin takes
+        // the hub's own origin and origins listed by name.
+        let allowed = match access {
+            Access::Admin => self.cors.lists(origin),
+            _ => self.cors.allow(Some(origin)).is_some(),
+        };
+        if allowed || is_same_origin(origin, host) {
             return Ok(());
         }
         Err(ApiError::Forbidden(format!(
             "requests from a web page of origin {:?} are refused: with auth.mode = none only \
-             origins in server.cors_origins may publish or use /admin",
+             origins in server.cors_origins may publish, and only those listed by name (not \
+             `*`) may use /admin",
             String::from_utf8_lossy(origin.as_bytes())
         )))
     }

@@ -26,6 +26,13 @@ impl Cors {
         }
     }
 
+    /// Whether `origin` is named in `server.cors_origins` itself (not merely let in by `*`).
+    pub fn lists(&self, origin: &HeaderValue) -> bool {
+        origin
+            .to_str()
+            .is_ok_and(|text| self.origins.iter().any(|allowed| allowed == text))
+    }
+
     /// The `Access-Control-Allow-Origin` value for a request's `Origin`, if it is allowed.
     pub fn allow(&self, origin: Option<&HeaderValue>) -> Option<HeaderValue> {
         let origin = origin?;

@@ -22,8 +22,23 @@ pub async fn readyz(state: web::Data<AppState>) -> Result<HttpResponse, ApiError
     Ok(HttpResponse::Ok().json(json!({ "status": "ready" })))
 }
 
+/// How often [`watch_readiness`] checks, for the `ready` gauge.
+const READY_EVERY: Duration = Duration::from_secs(5);
+
+/// Keeps the `ready` gauge current where nothing probes `/readyz`, from a task of its own: a
+/// scrape never waits for the backend (a hung one would make the scrape time out and the pod
+/// look down instead of not ready). Runs until the system stops.
+pub fn watch_readiness(state: AppState) {
+    actix_rt::spawn(async move {
+        loop {
+            let _ = readiness(&state).await;
+            tokio::time::sleep(READY_EVERY).await;
+        }
+    });
+}
+
 /// Whether the pod takes new streams: not draining, and its backend answers a ping. Also noted in
-/// the `ready` gauge, so that a scrape sees what the last probe (or the scrape itself) found.
+/// the `ready` gauge.
 async fn readiness(state: &AppState) -> Result<(), ApiError> {
     let verdict = if state.pod.is_draining() {
         Err(ApiError::Draining)
@@ -39,8 +54,6 @@ async fn readiness(state: &AppState) -> Result<(), ApiError> {
 }
 
 pub async fn metrics(state: web::Data<AppState>) -> HttpResponse {
-    // Readiness as of this scrape, also where nothing probes /readyz.
-    let _ = readiness(&state).await;
     HttpResponse::Ok()
         .content_type("text/plain; version=0.0.4")
         .body(state.metrics.render())
