@@ -200,7 +200,12 @@ mod tests {
         assert!(server.alive());
         let mut child = std::process::Command::new("true").spawn().unwrap();
         let zombie = Server::Pids(vec![child.id()]);
-        std::thread::sleep(std::time::Duration::from_millis(200));
+        // `true` exits at once, but a busy machine may not run it for a while: wait for the
+        // exit (bounded) instead of sleeping a fixed time.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        while zombie.alive() && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
         assert!(!zombie.alive(), "exited but not reaped counts as gone");
         child.wait().unwrap();
     }
