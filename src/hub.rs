@@ -11,18 +11,20 @@ use thiserror::Error;
 
 use crate::{
     actors::{
-        router::Router,
+        fleet::{Farewell, Fleet},
+        router::{AttachFleet, Router},
         shutdown::{AttachServer, Shutdown},
         stream_tail::{SharedTailStatus, StreamTail, TailState},
     },
     backend::{
+        fleet::{memory::MemoryFleet, FleetSettings, FleetStore},
         memory::MemorySettings,
         nats::{NatsAccess, NatsBackend, NatsSettings},
         redis::{ConnectionSetup, RedisBackend, RedisSettings},
         Backend, BackendError, MemoryBackend,
     },
     config::{AuthMode, BackendChoice, Config},
-    http::{self, AppState},
+    http::{self, AppState, FleetHandle},
     metrics::Metrics,
     pod::PodState,
     replay::Replayer,
@@ -142,6 +144,32 @@ pub async fn build_backend(config: &Config) -> Result<Arc<dyn Backend>, ServeErr
     })
 }
 
+/// The fleet store of the backend `backend.kind` selects; `None` with presence disabled.
+async fn build_fleet_store(
+    config: &Config,
+    backend: &Arc<dyn Backend>,
+) -> Result<Option<Arc<dyn FleetStore>>, ServeError> {
+    if !config.presence.enabled {
+        return Ok(None);
+    }
+    let settings = FleetSettings {
+        ttl: config.presence.ttl,
+        retention: config.presence.retention,
+    };
+    let _ = backend;
+    Ok(match config.backend_choice() {
+        BackendChoice::Memory(_) => Some(Arc::new(MemoryFleet::new(settings))),
+        BackendChoice::Redis(_) | BackendChoice::Nats(_) => None,
+    })
+}
+
+/// A random name for this process, so that a pod restarted under the same name does not revive
+/// the sessions of its previous life (docs/fleet.md).
+fn instance_id() -> String {
+    use rand::Rng;
+    format!("{:016x}", rand::rng().random::<u64>())
+}
+
 /// Runs the hub until it has drained (SIGTERM, SIGINT, `POST /admin/drain`).
 pub fn serve(config: Config) -> Result<(), ServeError> {
     check_servable(&config)?;
@@ -193,6 +221,34 @@ pub fn serve(config: Config) -> Result<(), ServeError> {
             tail_stops.push(address.recipient());
         }
 
+        let fleet_store = build_fleet_store(&config, &backend).await?;
+        let fleet_arbiter = Arbiter::new();
+        let fleet = fleet_store.map(|store| {
+            let instance = instance_id();
+            let (actor_store, actor_router, actor_metrics, presence) = (
+                store.clone(),
+                router.clone(),
+                metrics.clone(),
+                config.presence.clone(),
+            );
+            let actor_instance = instance.clone();
+            let actor = Fleet::start_in_arbiter(&fleet_arbiter.handle(), move |_| {
+                Fleet::new(
+                    actor_store,
+                    actor_router,
+                    actor_metrics,
+                    presence,
+                    shards,
+                    actor_instance,
+                )
+            });
+            router.do_send(AttachFleet {
+                fleet: actor.clone().recipient(),
+                instance,
+            });
+            FleetHandle { store, actor }
+        });
+
         // Serve only once every tail reads: a stream registered before its tail has fixed its
         // starting point could miss events appended in between.
         wait_for_tails(&tail_statuses).await?;
@@ -230,6 +286,7 @@ pub fn serve(config: Config) -> Result<(), ServeError> {
             tails: tail_statuses,
             drain: drain_status,
             auth,
+            fleet: fleet.clone(),
         };
         http::ops::watch_readiness(state.clone());
         let server = http::server(state, https.clone()).map_err(|source| ServeError::Bind {
@@ -249,6 +306,15 @@ pub fn serve(config: Config) -> Result<(), ServeError> {
             config.effective_workers()
         );
         server.stopped().await;
+        if let Some(fleet) = &fleet {
+            // The last presence writes, and the word that this instance is gone, so that its
+            // devices show offline now rather than after presence.ttl.
+            let farewell = fleet.actor.send(Farewell);
+            if tokio::time::timeout(FAREWELL_TIMEOUT, farewell).await.is_err() {
+                log::warn!("presence: the farewell did not reach the backend in time");
+            }
+        }
+        fleet_arbiter.stop();
         router_arbiter.stop();
         if pod.drain_was_forced() {
             tail_arbiter.stop();
@@ -259,6 +325,9 @@ pub fn serve(config: Config) -> Result<(), ServeError> {
         Ok(())
     })
 }
+
+/// Longest wait at exit for the last presence writes.
+const FAREWELL_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(3);
 
 /// Longest wait at start-up for the tails to open.
 const TAILS_START_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);

@@ -84,6 +84,7 @@ pub struct Metrics {
     pub drain_in_progress: IntGauge,
     pub ready: IntGauge,
     pub drain_duration_seconds: Gauge,
+    pub fleet_devices_online: IntGauge,
 }
 
 fn counter(registry: &Registry, name: &str, help: &str) -> IntCounter {
@@ -236,6 +237,12 @@ impl Metrics {
         }
 
         Self {
+            fleet_devices_online: gauge(
+                r,
+                "fleet_devices_online",
+                "devices online in the whole fleet as this pod's fleet event stream reports them \
+                 (debounced by presence.debounce; 0 with presence disabled)",
+            ),
             sse_connections: gauge(r, "sse_connections", "open SSE connections"),
             sse_connections_opened: counter(
                 r,

@@ -3,6 +3,7 @@
 //! queue.
 
 pub mod rotation;
+pub mod fleet;
 pub mod router;
 pub mod shutdown;
 pub mod stream_tail;

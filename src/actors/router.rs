@@ -27,10 +27,13 @@ use std::{
 use actix::prelude::*;
 use bytes::Bytes;
 
-use super::rotation::{Member, Rotation};
+use super::{
+    fleet::{SessionChange, SessionChanges},
+    rotation::{Member, Rotation},
+};
 use crate::{
     metrics::{Metrics, RouteResult},
-    model::{CloseReason, DeviceId, EpochId, Position, ResyncReason, Target},
+    model::{CloseReason, Cursor, DeviceId, EpochId, Position, ResyncReason, Target},
     sse::QueueItem,
     stream::{Change, Close, DrainTarget, Membership, Register, Route, TrySendError, Unregister},
 };
@@ -67,6 +70,33 @@ pub struct RouteBatch {
     pub resyncs: Vec<RoutedResync>,
 }
 
+/// Hands the joins and leaves of streams to the Fleet actor from now on, and names this
+/// pod's instance for takeovers across pods.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct AttachFleet {
+    pub fleet: Recipient<SessionChanges>,
+    pub instance: String,
+}
+
+/// Another pod announced a stream of `device` opened at `opened_ms`: a stream of it here that
+/// is older closes (`takeover`). Older means a smaller `(opened_ms, instance, session)`, so that
+/// of two streams opened at once on two pods exactly one survives.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct CloseOlder {
+    pub device: DeviceId,
+    pub shard: u32,
+    pub opened_ms: u64,
+    pub instance: String,
+    pub session: u64,
+}
+
+/// The last sent id of every stream that wrote something since the previous sample.
+#[derive(Message)]
+#[rtype(result = "Vec<(DeviceId, u64, Cursor)>")]
+pub struct SampleProgress;
+
 /// Control handles of every connection, in registration order (for a drain).
 #[derive(Message)]
 #[rtype(result = "Vec<DrainTarget>")]
@@ -83,6 +113,10 @@ pub struct Router {
     /// Slices checked for stalls per tick, so that all are checked once per `STALL_SWEEP`.
     stall_slices_per_tick: usize,
     metrics: Arc<Metrics>,
+    /// Where joins and leaves go for presence, and this pod's instance.
+    fleet: Option<AttachFleet>,
+    /// Per connection: the progress counter at the last sample.
+    sampled: HashMap<u64, u64>,
 }
 
 impl Router {
@@ -101,6 +135,8 @@ impl Router {
             stall_timeout,
             stall_slices_per_tick,
             metrics,
+            fleet: None,
+            sampled: HashMap::new(),
         }
     }
 
@@ -290,12 +326,86 @@ impl Handler<Membership> for Router {
     type Result = ();
 
     fn handle(&mut self, Membership(changes): Membership, _: &mut Context<Self>) {
+        let mut sessions = Vec::new();
         for change in changes {
             match change {
-                Change::Join(register) => self.join(register),
-                Change::Leave(unregister) => self.leave(unregister),
+                Change::Join(register) => {
+                    if self.fleet.is_some() {
+                        sessions.push(SessionChange::Opened {
+                            device: register.device.clone(),
+                            connection_id: register.route.connection_id,
+                            opened_ms: register.route.opened_ms,
+                            peer: register.peer.clone(),
+                        });
+                    }
+                    self.join(register);
+                }
+                Change::Leave(unregister) => {
+                    if self.fleet.is_some() {
+                        sessions.push(SessionChange::Closed {
+                            device: unregister.device.clone(),
+                            connection_id: unregister.connection_id,
+                            at_ms: unregister.at_ms,
+                            last_sent: unregister.last_sent.clone(),
+                        });
+                    }
+                    self.sampled.remove(&unregister.connection_id);
+                    self.leave(unregister);
+                }
             }
         }
+        if let Some(fleet) = self.fleet.as_ref().filter(|_| !sessions.is_empty()) {
+            fleet.fleet.do_send(SessionChanges(sessions));
+        }
+    }
+}
+
+impl Handler<AttachFleet> for Router {
+    type Result = ();
+
+    fn handle(&mut self, attach: AttachFleet, _: &mut Context<Self>) {
+        self.fleet = Some(attach);
+    }
+}
+
+impl Handler<CloseOlder> for Router {
+    type Result = ();
+
+    fn handle(&mut self, newer: CloseOlder, _: &mut Context<Self>) {
+        let Some(instance) = self.fleet.as_ref().map(|fleet| fleet.instance.as_str()) else {
+            return;
+        };
+        let Some(route) = self.shards[newer.shard as usize].get(&newer.device) else {
+            return;
+        };
+        let ours = (route.opened_ms, instance, route.connection_id);
+        if ours < (newer.opened_ms, newer.instance.as_str(), newer.session) {
+            if let Some(route) = self.remove(newer.shard, &newer.device) {
+                route
+                    .control
+                    .close
+                    .do_send(Close::now(CloseReason::Takeover));
+            }
+        }
+    }
+}
+
+impl Handler<SampleProgress> for Router {
+    type Result = MessageResult<SampleProgress>;
+
+    fn handle(&mut self, _: SampleProgress, _: &mut Context<Self>) -> Self::Result {
+        let mut news = Vec::new();
+        for (device, route) in self.shards.iter().flat_map(HashMap::iter) {
+            let (last_sent, changes) = route.progress.last_sent();
+            let sampled = self.sampled.entry(route.connection_id).or_insert(0);
+            if changes != *sampled {
+                *sampled = changes;
+                if let Some(cursor) = last_sent {
+                    news.push((device.clone(), route.connection_id, cursor));
+                }
+            }
+        }
+        MessageResult(news)
     }
 }
 
@@ -478,7 +588,10 @@ mod tests {
                         announce: peer.clone().recipient(),
                         close: peer.recipient(),
                     },
+                    opened_ms: 0,
+                    progress: Default::default(),
                 },
+                peer: Default::default(),
             };
             let conn = Conn {
                 id,
@@ -544,6 +657,8 @@ mod tests {
             device: conn.device.clone(),
             shard: conn.shard,
             connection_id: conn.id,
+            at_ms: 0,
+            last_sent: None,
         }
     }
 

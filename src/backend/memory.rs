@@ -148,6 +148,7 @@ impl Inner {
                 results.push(Ok(Appended {
                     cursor: cursor.clone(),
                     duplicate: true,
+                    copies: Vec::new(),
                 }));
                 continue;
             }
@@ -159,7 +160,7 @@ impl Inner {
                 Target::Broadcast => 0..settings.shards,
             };
             let data: Arc<str> = Arc::from(event.data);
-            let mut first: Option<Cursor> = None;
+            let mut copies = Vec::new();
             for shard in shards {
                 let log = &mut state.shards[shard as usize];
                 let position = log.next_position(wall_ms);
@@ -174,10 +175,13 @@ impl Inner {
                     data: data.clone(),
                 });
                 log.trim(wall_ms, settings.retention, settings.max_len);
-                first.get_or_insert_with(|| Cursor::new(self.epoch.clone(), shard, position));
+                copies.push(Cursor::new(self.epoch.clone(), shard, position));
             }
             // A device target always yields one shard and a broadcast at least one (shards >= 1).
-            let cursor = first.expect("every event is appended to at least one shard");
+            let cursor = copies[0].clone();
+            if !matches!(event.target, Target::Broadcast) {
+                copies.clear();
+            }
             if let Some(key) = dedupe {
                 state.dedupe.insert(key.clone(), (now, cursor.clone()));
                 state.dedupe_order.push_back((now, key));
@@ -185,6 +189,7 @@ impl Inner {
             results.push(Ok(Appended {
                 cursor,
                 duplicate: false,
+                copies,
             }));
         }
         drop(state);

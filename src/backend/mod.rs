@@ -29,6 +29,7 @@
 //!   whole; otherwise each item is appended, or not appended, or was appended to some shards only
 //!   (a broadcast), or its outcome is unknown ([`ItemFailure`]).
 
+pub mod fleet;
 pub mod memory;
 pub mod nats;
 pub mod redis;
@@ -112,6 +113,10 @@ pub struct Appended {
     /// For a broadcast: the copy on shard 0.
     pub cursor: Cursor,
     pub duplicate: bool,
+    /// For a broadcast appended by this request (not a duplicate) to every shard: each copy, in
+    /// shard order (what the fleet API's not-acknowledged query compares acks with). Empty
+    /// otherwise.
+    pub copies: Vec<Cursor>,
 }
 
 /// Why one item of a request was not (wholly) appended.

@@ -25,6 +25,7 @@ pub mod nats;
 pub mod publish;
 pub mod raw;
 pub mod redis;
+pub mod presence;
 pub mod replay;
 pub mod secret;
 pub mod server;
@@ -48,6 +49,7 @@ pub use nats::{NatsConfig, NatsCredentials};
 pub use publish::PublishConfig;
 use raw::RawConfig;
 pub use redis::RedisConfig;
+pub use presence::PresenceConfig;
 pub use replay::ReplayConfig;
 pub use secret::{RedactedUrl, Secret, SecretFileError};
 pub use server::ServerConfig;
@@ -68,6 +70,7 @@ pub struct Config {
     pub publish: PublishConfig,
     pub limits: LimitsConfig,
     pub replay: ReplayConfig,
+    pub presence: PresenceConfig,
 }
 
 impl Default for Config {
@@ -150,6 +153,7 @@ impl Config {
             publish,
             limits: raw.limits.try_into()?,
             replay: raw.replay.try_into()?,
+            presence: raw.presence.try_into()?,
         })
     }
 
@@ -641,6 +645,12 @@ max_body_bytes = 2000
 [replay]
 max_concurrent = 4
 cache_entries = 0
+[presence]
+enabled = false
+pod_name = "pod-a"
+ttl = "10s"
+retention = "24h"
+debounce = "0s"
 "#;
 
     /// `/admin/status` shows the whole configuration in exactly this shape: every section and
@@ -722,6 +732,13 @@ cache_entries = 0
                 "max_body_bytes": 2000,
             },
             "replay": { "max_concurrent": 4, "cache_entries": 0 },
+            "presence": {
+                "enabled": false,
+                "pod_name": "pod-a",
+                "ttl": "10s",
+                "retention": "24h",
+                "debounce": "0s",
+            },
         });
         assert_eq!(c.summary(), expected);
         // The text /admin/status writes, not only the value: same keys in the same order.

@@ -26,6 +26,7 @@ pub struct RawConfig {
     pub publish: RawPublish,
     pub limits: RawLimits,
     pub replay: RawReplay,
+    pub presence: RawPresence,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -294,6 +295,28 @@ impl Default for RawReplay {
     }
 }
 
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RawPresence {
+    pub enabled: bool,
+    pub pod_name: String,
+    pub ttl: String,
+    pub retention: String,
+    pub debounce: String,
+}
+
+impl Default for RawPresence {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            pod_name: String::new(),
+            ttl: "30s".into(),
+            retention: "168h".into(),
+            debounce: "5s".into(),
+        }
+    }
+}
+
 /// The defaults as a TOML table: section name → key → default value. The type
 /// of each default value is the type the key accepts.
 pub fn schema() -> toml::Table {
@@ -311,7 +334,7 @@ mod tests {
     #[test]
     fn schema_is_sections_of_plain_values() {
         let schema = schema();
-        assert_eq!(schema.len(), 11);
+        assert_eq!(schema.len(), 12);
         for (section, table) in &schema {
             let table = table
                 .as_table()

@@ -25,6 +25,10 @@ pub enum Access<'a> {
     Stream(&'a DeviceId),
     Publish,
     Admin,
+    /// The fleet API's reads (presence, fleet events, the not-acknowledged query).
+    Fleet,
+    /// A device acknowledging what it processed: its own token, as for its stream.
+    Ack(&'a DeviceId),
 }
 
 #[derive(Debug, Deserialize)]
@@ -121,17 +125,23 @@ impl Authenticator {
             .map_err(|error| ApiError::Unauthorized(format!("invalid token: {error}")))?
             .claims;
         let allowed = match access {
-            Access::Stream(device) => claims.sub.as_deref() == Some(device.as_str()),
+            Access::Stream(device) | Access::Ack(device) => {
+                claims.sub.as_deref() == Some(device.as_str())
+            }
             Access::Publish => claims.scope.contains("publish"),
             Access::Admin => claims.scope.contains("admin"),
+            Access::Fleet => claims.scope.contains("fleet"),
         };
         if allowed {
             return Ok(());
         }
         Err(ApiError::Forbidden(match access {
-            Access::Stream(device) => format!("the token is not for device {device}"),
+            Access::Stream(device) | Access::Ack(device) => {
+                format!("the token is not for device {device}")
+            }
             Access::Publish => "the token lacks the publish scope".into(),
             Access::Admin => "the token lacks the admin scope".into(),
+            Access::Fleet => "the token lacks the fleet scope".into(),
         }))
     }
 }

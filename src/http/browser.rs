@@ -63,7 +63,7 @@ impl BrowserGuard {
         // `*` lets any page publish, but never drain or read the pod's status: /admin takes
         // the hub's own origin and origins listed by name.
         let allowed = match access {
-            Access::Admin => self.cors.lists(origin),
+            Access::Admin | Access::Fleet => self.cors.lists(origin),
             _ => self.cors.allow(Some(origin)).is_some(),
         };
         if allowed || is_same_origin(origin, host) {

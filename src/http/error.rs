@@ -50,6 +50,12 @@ pub enum ApiError {
     Forbidden(String),
     #[error("no such endpoint")]
     NotFound,
+    #[error("device {0} is unknown: never seen, or not within presence.retention")]
+    DeviceNotFound(String),
+    #[error("{0}")]
+    EventNotFound(String),
+    #[error("the fleet API is off on this hub (presence.enabled = false)")]
+    FleetDisabled,
     #[error("method not allowed")]
     MethodNotAllowed,
 }
@@ -73,6 +79,9 @@ impl ApiError {
             ApiError::Unauthorized(_) => "unauthorized",
             ApiError::Forbidden(_) => "forbidden",
             ApiError::NotFound => "not_found",
+            ApiError::DeviceNotFound(_) => "device_not_found",
+            ApiError::EventNotFound(_) => "event_not_found",
+            ApiError::FleetDisabled => "fleet_disabled",
             ApiError::MethodNotAllowed => "method_not_allowed",
         }
     }
@@ -105,7 +114,10 @@ impl ResponseError for ApiError {
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
             ApiError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
             ApiError::Forbidden(_) => StatusCode::FORBIDDEN,
-            ApiError::NotFound => StatusCode::NOT_FOUND,
+            ApiError::NotFound
+            | ApiError::DeviceNotFound(_)
+            | ApiError::EventNotFound(_)
+            | ApiError::FleetDisabled => StatusCode::NOT_FOUND,
             ApiError::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
         }
     }

@@ -5,6 +5,7 @@ pub mod browser;
 pub mod console;
 pub mod cors;
 pub mod error;
+pub mod fleet;
 pub mod ops;
 pub mod publish;
 pub mod server;
@@ -19,11 +20,12 @@ use socket2::{Domain, Protocol, Socket, TcpKeepalive, Type};
 
 use crate::{
     actors::{
+        fleet::Fleet,
         router::Router,
         shutdown::{SharedDrainStatus, Shutdown},
         stream_tail::SharedTailStatus,
     },
-    backend::Backend,
+    backend::{fleet::FleetStore, Backend},
     config::Config,
     metrics::Metrics,
     pod::PodState,
@@ -47,6 +49,15 @@ pub struct AppState {
     pub tails: Vec<SharedTailStatus>,
     pub drain: SharedDrainStatus,
     pub auth: Arc<auth::Authenticator>,
+    /// The fleet API; `None` with `presence.enabled = false`.
+    pub fleet: Option<FleetHandle>,
+}
+
+/// The fleet store for reads and acks, and the actor for the fleet event stream.
+#[derive(Clone)]
+pub struct FleetHandle {
+    pub store: Arc<dyn FleetStore>,
+    pub actor: Addr<Fleet>,
 }
 
 /// The routes of one HTTP worker; called on the worker's own thread, which its
@@ -73,6 +84,18 @@ pub fn configure(state: AppState) -> impl FnOnce(&mut web::ServiceConfig) {
                     .route(web::post().to(publish::publish))
                     .route(web::method(actix_web::http::Method::OPTIONS).to(cors::preflight))
                     .default_service(web::to(|| method_not_allowed("POST, OPTIONS"))),
+            )
+            .service(
+                web::resource("/v1/fleet/events")
+                    .route(web::get().to(fleet::events))
+                    .default_service(web::to(|| method_not_allowed("GET"))),
+            )
+            .service(
+                web::resource("/v1/fleet/unacknowledged")
+                    .route(web::get().to(|request: HttpRequest, state: web::Data<AppState>| async move {
+                        fleet::unacknowledged(&request, &state).await
+                    }))
+                    .default_service(web::to(|| method_not_allowed("GET"))),
             )
             .service(web::resource("/healthz").route(web::get().to(ops::healthz)))
             .service(web::resource("/readyz").route(web::get().to(ops::readyz)))

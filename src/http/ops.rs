@@ -66,16 +66,20 @@ pub(super) fn require_admin(request: &HttpRequest, state: &AppState) -> Result<(
     if state.auth.is_enabled() {
         return Ok(());
     }
-    admin_without_auth(request.peer_addr())
+    loopback_only(request.peer_addr(), "admin endpoints")
 }
 
-/// Without authentication only a client on this machine may drain it or read its status.
-fn admin_without_auth(peer: Option<std::net::SocketAddr>) -> Result<(), ApiError> {
+/// Without authentication only a client on this machine may drain it, read its status or the
+/// fleet's.
+pub(super) fn loopback_only(
+    peer: Option<std::net::SocketAddr>,
+    what: &str,
+) -> Result<(), ApiError> {
     match peer {
         Some(peer) if peer.ip().is_loopback() => Ok(()),
-        _ => Err(ApiError::Forbidden(
-            "admin endpoints are only served to loopback clients when auth.mode is none".into(),
-        )),
+        _ => Err(ApiError::Forbidden(format!(
+            "{what} are only served to loopback clients when auth.mode is none"
+        ))),
     }
 }
 
@@ -89,7 +93,7 @@ mod tests {
     fn admin_without_auth_is_loopback_only() {
         for allowed in ["127.0.0.1:5000", "127.0.0.2:1", "[::1]:80"] {
             assert!(
-                admin_without_auth(Some(allowed.parse().unwrap())).is_ok(),
+                loopback_only(Some(allowed.parse().unwrap()), "admin endpoints").is_ok(),
                 "{allowed}"
             );
         }
@@ -99,11 +103,11 @@ mod tests {
             "[2001:db8::1]:80",
             "0.0.0.0:1",
         ] {
-            let error = admin_without_auth(Some(refused.parse().unwrap())).unwrap_err();
+            let error = loopback_only(Some(refused.parse().unwrap()), "admin endpoints").unwrap_err();
             assert!(matches!(error, ApiError::Forbidden(_)), "{refused}");
         }
         assert!(
-            admin_without_auth(None).is_err(),
+            loopback_only(None, "admin endpoints").is_err(),
             "an unknown peer is not trusted"
         );
     }

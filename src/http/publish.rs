@@ -42,7 +42,7 @@ async fn answer_publish(
 ) -> Result<HttpResponse, ApiError> {
     // Before reading the body: an unauthenticated producer gets nothing buffered.
     state.auth.check(&request, Access::Publish)?;
-    if let Err(error) = require_json(&request) {
+    if let Err(error) = require_json(&request, "POST /v1/events") {
         state.metrics.published(PublishResult::Rejected, 1);
         return Err(error);
     }
@@ -64,6 +64,22 @@ async fn answer_publish(
             return Err(error.into());
         }
     };
+    if let Some(fleet) = &state.fleet {
+        // What the not-acknowledged query of a broadcast compares each device's ack with. The
+        // broadcast is published either way: a failure here only makes that query answer 404.
+        for appended in appended.iter().flatten() {
+            if appended.copies.is_empty() {
+                continue;
+            }
+            if let Err(error) = fleet.store.record_broadcast(appended.copies.clone()).await {
+                log::warn!(
+                    "fleet: the copies of broadcast {} were not recorded: {}",
+                    appended.cursor,
+                    crate::report::Report(&error)
+                );
+            }
+        }
+    }
     let mut tally = [0u64; 3];
     let results: Vec<Value> = appended
         .iter()
@@ -95,7 +111,7 @@ async fn answer_publish(
 /// A body is JSON only when it says so. Besides telling a producer that sent a form what is
 /// wrong, this keeps browsers out: `application/json` is not a content type a page may send to
 /// another site without a CORS preflight, which the hub grants only to `server.cors_origins`.
-fn require_json(request: &HttpRequest) -> Result<(), ApiError> {
+pub(super) fn require_json(request: &HttpRequest, endpoint: &str) -> Result<(), ApiError> {
     let content_type = request
         .headers()
         .get(actix_web::http::header::CONTENT_TYPE)
@@ -107,7 +123,7 @@ fn require_json(request: &HttpRequest) -> Result<(), ApiError> {
         return Ok(());
     }
     Err(ApiError::UnsupportedMediaType(format!(
-        "POST /v1/events takes Content-Type: application/json (got {})",
+        "{endpoint} takes Content-Type: application/json (got {})",
         content_type.map_or_else(|| "none".into(), |value| format!("{value:?}"))
     )))
 }
@@ -123,7 +139,7 @@ fn failure_code(failure: &ItemFailure) -> &'static str {
 
 /// Reads the body, refusing it as soon as it exceeds `limit` (by `Content-Length` before reading,
 /// or while reading a chunked body), so an oversized body is never buffered whole.
-async fn read_limited(
+pub(super) async fn read_limited(
     request: &HttpRequest,
     mut payload: web::Payload,
     limit: usize,

@@ -15,11 +15,11 @@ use super::{
     auth::Access,
     cors::{self, Cors},
     error::ApiError,
-    method_not_allowed, AppState,
+    fleet, method_not_allowed, AppState,
 };
 use crate::{
     model::{shard_of, CloseReason, DeviceId},
-    stream::{ConnectionSocket, OpenStream, StreamOpener},
+    stream::{ConnectionSocket, OpenStream, Peer, StreamOpener},
 };
 
 #[derive(Debug, Deserialize)]
@@ -27,31 +27,70 @@ pub struct StreamQuery {
     last_event_id: Option<String>,
 }
 
-/// Everything under the scope `/v1/devices`: the stream resource, or 404.
+/// Everything under the scope `/v1/devices`: the fleet listing, a device's presence, its
+/// stream, its ack, or 404.
 pub async fn devices(
     request: HttpRequest,
+    payload: web::Payload,
     state: web::Data<AppState>,
     opener: web::Data<StreamOpener>,
     cors: web::Data<Cors>,
 ) -> Result<HttpResponse, ApiError> {
-    let Some(device) = device_segment(request.match_info().unprocessed()) else {
+    let Some(path) = device_path(request.match_info().unprocessed()) else {
         return Err(ApiError::NotFound);
     };
-    match *request.method() {
-        Method::GET => stream(&request, device, state, &opener).await,
-        Method::OPTIONS => Ok(cors::preflight(request, cors).await),
-        _ => Ok(method_not_allowed("GET, OPTIONS").await),
+    match (path, request.method().clone()) {
+        (DevicePath::Events(device), Method::GET) => stream(&request, device, state, &opener).await,
+        (DevicePath::Fleet, Method::GET) => fleet::list(&request, &state).await,
+        (DevicePath::Device(device), Method::GET) => fleet::device(&request, device, &state).await,
+        (DevicePath::Ack(device), Method::POST) => {
+            fleet::ack(&request, device, payload, &state).await
+        }
+        (DevicePath::Events(_) | DevicePath::Ack(_), Method::OPTIONS) => {
+            Ok(cors::preflight(request, cors).await)
+        }
+        (DevicePath::Events(_), _) => Ok(method_not_allowed("GET, OPTIONS").await),
+        (DevicePath::Ack(_), _) => Ok(method_not_allowed("POST, OPTIONS").await),
+        (DevicePath::Fleet | DevicePath::Device(_), _) => Ok(method_not_allowed("GET").await),
     }
 }
 
-/// The device of `/{device}/events` (the path after the scope); `None` for any other path.
+/// What a path under `/v1/devices` names.
+#[derive(Debug, PartialEq, Eq)]
+enum DevicePath<'a> {
+    /// `/v1/devices` itself: the fleet listing.
+    Fleet,
+    /// `/{device}`: its presence.
+    Device(&'a str),
+    /// `/{device}/events`: its stream.
+    Events(&'a str),
+    /// `/{device}/ack`.
+    Ack(&'a str),
+}
+
+/// The path after the scope, taken apart; `None` for a path that names nothing.
 ///
 /// actix-web has already decoded every escape in the path except `%2F`, `%25` and `%2B`, so a
 /// `/` here separates segments. The escapes left would decode to `/`, `%` or `+`, which no device
 /// id may contain, so the segment is not decoded further: `DeviceId::parse` refuses its `%`.
-fn device_segment(rest: &str) -> Option<&str> {
-    let (segment, tail) = rest.strip_prefix('/')?.split_once('/')?;
-    (!segment.is_empty() && tail == "events").then_some(segment)
+fn device_path(rest: &str) -> Option<DevicePath<'_>> {
+    if rest.is_empty() || rest == "/" {
+        return Some(DevicePath::Fleet);
+    }
+    let rest = rest.strip_prefix('/')?;
+    let (segment, tail) = match rest.split_once('/') {
+        Some((segment, tail)) => (segment, Some(tail)),
+        None => (rest, None),
+    };
+    if segment.is_empty() {
+        return None;
+    }
+    match tail {
+        None => Some(DevicePath::Device(segment)),
+        Some("events") => Some(DevicePath::Events(segment)),
+        Some("ack") => Some(DevicePath::Ack(segment)),
+        Some(_) => None,
+    }
 }
 
 async fn stream(
@@ -96,6 +135,7 @@ async fn stream(
             socket_fd: request
                 .conn_data::<ConnectionSocket>()
                 .map(|socket| socket.0),
+            peer: peer_of(request),
         })
         .await
         .map_err(|_| ApiError::Internal("the router is gone: the hub is stopping"))?;
@@ -114,17 +154,40 @@ async fn stream(
         .body(body))
 }
 
+/// The remote address (the TCP peer; behind a proxy, the proxy) and the user agent, for
+/// presence. Bounded so that a hostile header cannot bloat every device record.
+fn peer_of(request: &HttpRequest) -> Peer {
+    const MAX_USER_AGENT: usize = 256;
+    let user_agent = request
+        .headers()
+        .get(actix_web::http::header::USER_AGENT)
+        .map(|value| String::from_utf8_lossy(value.as_bytes()))
+        .unwrap_or_default();
+    let mut end = user_agent.len().min(MAX_USER_AGENT);
+    while !user_agent.is_char_boundary(end) {
+        end -= 1;
+    }
+    Peer {
+        remote: request
+            .peer_addr()
+            .map(|address| address.to_string())
+            .unwrap_or_default(),
+        user_agent: user_agent[..end].to_owned(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
-    use super::device_segment;
+    use super::{device_path, DevicePath};
 
     #[test]
-    fn the_stream_path_has_one_segment_then_events() {
-        assert_eq!(device_segment("/pos-1/events"), Some("pos-1"));
+    fn paths_under_devices_name_one_segment_then_what() {
+        assert_eq!(device_path("/pos-1/events"), Some(DevicePath::Events("pos-1")));
+        assert_eq!(device_path("/pos-1/ack"), Some(DevicePath::Ack("pos-1")));
+        assert_eq!(device_path("/pos-1"), Some(DevicePath::Device("pos-1")));
+        assert_eq!(device_path(""), Some(DevicePath::Fleet));
+        assert_eq!(device_path("/"), Some(DevicePath::Fleet));
         for other in [
-            "",
-            "/",
-            "/pos-1",
             "/pos-1/",
             "/pos-1/events/",
             "/pos-1/events/extra",
@@ -133,7 +196,7 @@ mod tests {
             "/a/b/events",
             "pos-1/events",
         ] {
-            assert_eq!(device_segment(other), None, "{other:?}");
+            assert_eq!(device_path(other), None, "{other:?}");
         }
     }
 }

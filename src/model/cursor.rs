@@ -26,6 +26,16 @@ impl Position {
     pub fn new(ms: u64, seq: u64) -> Self {
         Self { ms, seq }
     }
+
+    /// The greatest position below `position` (`ZERO` for `ZERO`): reading after it starts at
+    /// `position` itself.
+    pub fn before(position: Position) -> Position {
+        match (position.ms, position.seq) {
+            (_, seq) if seq > 0 => Position::new(position.ms, seq - 1),
+            (0, _) => Position::ZERO,
+            (ms, _) => Position::new(ms - 1, u64::MAX),
+        }
+    }
 }
 
 impl fmt::Display for Position {

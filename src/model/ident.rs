@@ -67,6 +67,20 @@ impl fmt::Debug for DeviceId {
     }
 }
 
+/// As its text; a text that is not a valid device id does not deserialize.
+impl serde::Serialize for DeviceId {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_str(&self.0)
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for DeviceId {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let text = <std::borrow::Cow<'de, str>>::deserialize(deserializer)?;
+        DeviceId::parse(&text).map_err(serde::de::Error::custom)
+    }
+}
+
 /// A validated event type (`message` when a producer gives none).
 #[derive(Clone, PartialEq, Eq, Hash)]
 pub struct EventType(Arc<str>);

@@ -38,6 +38,21 @@ pub fn event(id: &str, event_type: &str, data: &str) -> Bytes {
     out.freeze()
 }
 
+/// An event without an `id:` (the fleet event stream is not resumable).
+pub fn named_event(event_type: &str, data: &str) -> Bytes {
+    let mut out = BytesMut::with_capacity(event_type.len() + data.len() + 32);
+    out.put_slice(b"event: ");
+    out.put_slice(event_type.as_bytes());
+    out.put_u8(b'\n');
+    for line in payload_lines(data) {
+        out.put_slice(b"data: ");
+        out.put_slice(line.as_bytes());
+        out.put_u8(b'\n');
+    }
+    out.put_u8(b'\n');
+    out.freeze()
+}
+
 /// `event: resync` with the position the client continues from as its `id:`.
 pub fn resync(continue_after: &Cursor, reason: ResyncReason) -> Bytes {
     let data = format!("{{\"reason\":\"{}\"}}", reason.label());

@@ -231,6 +231,8 @@ impl MessageBody for SseBody {
         let (mut events, mut pings) = (0, 0);
         // Read once per chunk, for the delivery lag of the live events in it.
         let mut now_ms = None;
+        // The newest frame with an id in the chunk: the device's last sent id (presence).
+        let mut last_with_id = None;
         while !this.ended && chunk.len() < MAX_CHUNK {
             let Some((item, replaying)) = this.poll_item(cx) else {
                 break;
@@ -244,6 +246,7 @@ impl MessageBody for SseBody {
                 } => {
                     if this.admit_event(epoch, position) {
                         events += 1;
+                        last_with_id = Some(frame.clone());
                         chunk.push(frame);
                         if !replaying && appended_ms > 0 {
                             let now = *now_ms.get_or_insert_with(unix_ms);
@@ -261,6 +264,7 @@ impl MessageBody for SseBody {
                 } => {
                     if this.admit_resync(epoch, position, reason) {
                         this.metrics.resync(reason);
+                        last_with_id = Some(frame.clone());
                         chunk.push(frame);
                     }
                 }
@@ -302,6 +306,9 @@ impl MessageBody for SseBody {
         match chunk.into_bytes() {
             Some(bytes) => {
                 this.control.wrote();
+                if let Some(frame) = last_with_id {
+                    this.control.sent(frame);
+                }
                 Poll::Ready(Some(Ok(bytes)))
             }
             None if this.ended && this.control.is_aborted() => Poll::Ready(Some(Err(Evicted))),

@@ -40,11 +40,11 @@ use super::{
     control::StreamControl,
     membership::{Joined, Outbox, Register, RouterGone, Unregister},
     queue::{self, QueueSender},
-    CloseHandle, Route, StreamOpener,
+    CloseHandle, Peer, Progress, Route, StreamOpener,
 };
 use crate::{
     metrics::Metrics,
-    model::{CloseReason, DeviceId},
+    model::{unix_ms, CloseReason, DeviceId},
     pod::PodState,
     replay::{ReplayError, Replayer},
     report::Report,
@@ -114,6 +114,7 @@ pub struct OpenStream {
     pub stall_timeout: Duration,
     /// The TCP socket's fd, when the server recorded it.
     pub socket_fd: Option<std::os::fd::RawFd>,
+    pub peer: Peer,
 }
 
 pub struct Connection {
@@ -182,7 +183,10 @@ impl Connection {
                         announce: address.clone().recipient(),
                         close: address.clone().recipient(),
                     },
+                    opened_ms: unix_ms(),
+                    progress: Progress(control.clone()),
                 },
+                peer: stream.peer,
             })
             .inspect_err(|_| {
                 // No actor will run to give the caller's slot back.
@@ -229,6 +233,8 @@ impl Connection {
             device: self.device.clone(),
             shard: self.shard,
             connection_id: self.id,
+            at_ms: unix_ms(),
+            last_sent: self.control.last_sent().0,
         });
     }
 

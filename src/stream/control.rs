@@ -14,6 +14,7 @@
 //! it closes the socket, and [`StreamControl::release`] (called from the body's `Drop`) takes the
 //! same lock as [`StreamControl::abort`], so an abort can never hit a reused file descriptor.
 
+use bytes::Bytes;
 use std::{
     os::fd::{BorrowedFd, RawFd},
     sync::{
@@ -22,6 +23,8 @@ use std::{
     },
     time::{Duration, Instant},
 };
+
+use crate::model::Cursor;
 
 /// The fd of a TCP connection, recorded by the HTTP service's `on_connect_ext` hook.
 #[derive(Clone, Copy, Debug)]
@@ -37,6 +40,10 @@ pub struct StreamControl {
     /// When the body last handed bytes to the socket, in ms after `created`: a drain cuts off a
     /// client that stops taking what is left.
     written_ms: AtomicU64,
+    /// The last frame with an `id:` the body handed to the socket (a shared `Bytes`: storing
+    /// it costs a reference count per chunk), read back as the device's last sent id by
+    /// presence (docs/fleet.md), and the number of times it changed.
+    last_sent: Mutex<(Option<Bytes>, u64)>,
 }
 
 impl StreamControl {
@@ -47,7 +54,32 @@ impl StreamControl {
             fd: Mutex::new(fd),
             aborted: AtomicBool::new(false),
             closing_retry_ms: AtomicU32::new(0),
+            last_sent: Mutex::new((None, 0)),
         }
+    }
+
+    /// The body handed `frame` (an event or a resync, which starts with `id:`) to the socket.
+    pub fn sent(&self, frame: Bytes) {
+        let mut last = self
+            .last_sent
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        last.0 = Some(frame);
+        last.1 += 1;
+    }
+
+    /// The id of the last event or resync written, and a counter that changes whenever it does.
+    pub fn last_sent(&self) -> (Option<Cursor>, u64) {
+        let last = self
+            .last_sent
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let cursor = last.0.as_deref().and_then(|frame| {
+            let rest = frame.strip_prefix(b"id: ")?;
+            let end = memchr::memchr(b'\n', rest)?;
+            Cursor::parse(std::str::from_utf8(&rest[..end]).ok()?).ok()
+        });
+        (cursor, last.1)
     }
 
     /// The body handed bytes to the socket.
@@ -172,6 +204,17 @@ mod tests {
         let mut buffer = [0u8; 10];
         client.read_exact(&mut buffer).unwrap();
         assert_eq!(&buffer, b"still open");
+    }
+
+    #[test]
+    fn the_last_sent_id_is_read_from_the_last_frame() {
+        let control = StreamControl::new(None);
+        assert_eq!(control.last_sent(), (None, 0));
+        control.sent(crate::sse::frame::event("e1.3.5-0", "message", "x"));
+        control.sent(crate::sse::frame::event("e1.3.7-1", "message", "y\nz"));
+        let (cursor, changes) = control.last_sent();
+        assert_eq!(cursor.unwrap().to_string(), "e1.3.7-1");
+        assert_eq!(changes, 2);
     }
 
     #[test]

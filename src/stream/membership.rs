@@ -24,8 +24,8 @@ use std::{
 use actix::prelude::*;
 use tokio::sync::Notify;
 
-use super::Route;
-use crate::model::DeviceId;
+use super::{Peer, Route};
+use crate::model::{Cursor, DeviceId};
 
 /// Joins and leaves for the Router, in the order they were made on one worker.
 #[derive(Message)]
@@ -42,6 +42,8 @@ pub struct Register {
     pub device: DeviceId,
     pub shard: u32,
     pub route: Route,
+    /// Who opened it, for presence (the Router passes it on and keeps none of it).
+    pub peer: Peer,
 }
 
 /// A stream has ended; its route goes unless a newer stream of the device took it over.
@@ -49,6 +51,9 @@ pub struct Unregister {
     pub device: DeviceId,
     pub shard: u32,
     pub connection_id: u64,
+    /// Unix ms (the pod's clock) and the last id written, for presence.
+    pub at_ms: u64,
+    pub last_sent: Option<Cursor>,
 }
 
 /// The Router's mailbox is closed: the hub is shutting down.
@@ -199,7 +204,10 @@ mod tests {
                     announce: probe.clone().recipient(),
                     close: probe.clone().recipient(),
                 },
+                opened_ms: 0,
+                progress: Default::default(),
             },
+            peer: Default::default(),
         }
     }
 
@@ -208,6 +216,8 @@ mod tests {
             device: DeviceId::parse(&format!("pos-{connection_id}")).unwrap(),
             shard: 0,
             connection_id,
+            at_ms: 0,
+            last_sent: None,
         }
     }
 

@@ -24,6 +24,7 @@ use actix::Recipient;
 pub use body::SseBody;
 pub use connection::{AnnounceRetry, BodyDropped, Close, DrainTarget, OpenStream};
 pub use control::ConnectionSocket;
+use control::StreamControl as ConnectionControl;
 pub use membership::{Change, Membership, Register, RouterGone, Unregister};
 pub use queue::{QueueSender, TrySendError};
 
@@ -37,6 +38,35 @@ pub struct Route {
     pub connection_id: u64,
     pub queue: QueueSender,
     pub control: DrainTarget,
+    /// Unix ms (the pod's clock) when it opened: of two streams of a device on two pods, the
+    /// older one closes (docs/fleet.md, takeover).
+    pub opened_ms: u64,
+    pub progress: Progress,
+}
+
+/// Who opened a stream: what presence records of the session.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Peer {
+    pub remote: String,
+    pub user_agent: String,
+}
+
+/// What a stream has written so far, read by the Router for presence.
+#[derive(Clone)]
+pub struct Progress(Arc<ConnectionControl>);
+
+/// A stream that has written nothing (a Router's test stand-in).
+impl Default for Progress {
+    fn default() -> Self {
+        Progress(Arc::new(ConnectionControl::new(None)))
+    }
+}
+
+impl Progress {
+    /// The id of the last event or resync written, and a counter that changes with it.
+    pub fn last_sent(&self) -> (Option<crate::model::Cursor>, u64) {
+        self.0.last_sent()
+    }
 }
 
 /// The HTTP edge's handle: opens streams on the worker thread that built it.
@@ -252,6 +282,7 @@ mod tests {
                     retry_ms: 1500,
                     stall_timeout,
                     socket_fd: None,
+                    peer: Peer::default(),
                 })
                 .await
         }

@@ -429,18 +429,17 @@ impl Inner {
                         acked += 1;
                         let item = &mut items[index];
                         item.stored += 1;
-                        let answers = match events[index].target {
-                            Target::Device(_) => true,
-                            Target::Broadcast => shard == 0,
-                        };
-                        if answers {
+                        let cursor =
+                            Cursor::new(epoch.clone(), shard, layout::position(ack.sequence));
+                        let broadcast = matches!(events[index].target, Target::Broadcast);
+                        if broadcast {
+                            item.copy_cursors.push(cursor.clone());
+                        }
+                        if !broadcast || shard == 0 {
                             item.answer = Some(Appended {
-                                cursor: Cursor::new(
-                                    epoch.clone(),
-                                    shard,
-                                    layout::position(ack.sequence),
-                                ),
+                                cursor,
                                 duplicate: ack.duplicate,
+                                copies: Vec::new(),
                             });
                         }
                     }
@@ -647,6 +646,8 @@ fn publish_failure(error: jetstream::context::PublishError, acking: bool) -> Ite
 struct ItemTally {
     copies: usize,
     stored: usize,
+    /// Of a broadcast: the cursor of each copy acknowledged.
+    copy_cursors: Vec<Cursor>,
     answer: Option<Appended>,
     failure: Option<ItemFailure>,
 }
@@ -665,7 +666,14 @@ impl ItemTally {
 
     fn outcome(self) -> ItemOutcome {
         match (self.failure, self.answer) {
-            (None, Some(answer)) if self.stored == self.copies => Ok(answer),
+            (None, Some(mut answer)) if self.stored == self.copies => {
+                let mut copies = self.copy_cursors;
+                if copies.len() == self.copies && !copies.is_empty() {
+                    copies.sort_by_key(|copy| copy.shard);
+                    answer.copies = copies;
+                }
+                Ok(answer)
+            }
             (None, _) => Err(ItemFailure::Unknown("nats: an event got no ack".into())),
             (Some(failure), _) if self.stored > 0 => Err(ItemFailure::Incomplete(format!(
                 "the broadcast reached {} of {} shards ({}); retry it with its key to complete it",

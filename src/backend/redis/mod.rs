@@ -270,6 +270,8 @@ struct GroupCall {
     args: Vec<Value>,
     /// Per script item: the request index it answers (None: a broadcast's copies outside group 0).
     answers: Vec<Option<usize>>,
+    /// Per script item: the request index it belongs to.
+    items: Vec<usize>,
 }
 
 impl GroupCall {
@@ -278,6 +280,7 @@ impl GroupCall {
             keys: Vec::new(),
             args: Vec::new(),
             answers: Vec::new(),
+            items: Vec::new(),
         }
     }
 
@@ -298,6 +301,7 @@ impl GroupCall {
         group: usize,
         event: &NewEvent,
         shards: Range<u32>,
+        item: usize,
         answers: Option<usize>,
     ) {
         let dedupe = event.key.as_ref().map_or(0, |key| {
@@ -319,6 +323,7 @@ impl GroupCall {
             self.args.push(Value::from(i64::from(shard)));
         }
         self.answers.push(answers);
+        self.items.push(item);
     }
 }
 
@@ -474,19 +479,21 @@ impl Inner {
                 Target::Device(device) => {
                     let shard = crate::model::shard_of(device.as_str(), layout.shards);
                     let group = layout.group_of(shard);
-                    calls[group].push(layout, group, event, shard..shard + 1, Some(index));
+                    calls[group].push(layout, group, event, shard..shard + 1, index, Some(index));
                     spans.push(group..group + 1);
                 }
                 Target::Broadcast => {
                     for (group, call) in calls.iter_mut().enumerate() {
                         let answers = (group == 0).then_some(index);
-                        call.push(layout, group, event, layout.shards_of(group), answers);
+                        call.push(layout, group, event, layout.shards_of(group), index, answers);
                     }
                     spans.push(0..groups);
                 }
             }
         }
         let mut answered: Vec<Option<Appended>> = vec![None; events.len()];
+        // Every copy of each broadcast appended now, from all groups.
+        let mut copies: Vec<Vec<Cursor>> = vec![Vec::new(); events.len()];
         let mut failed: Vec<Option<BackendError>> = vec![None; groups];
         for (group, call) in calls.into_iter().enumerate() {
             if call.answers.is_empty() {
@@ -508,23 +515,44 @@ impl Inner {
                 }
             };
             let items = reply::items(&reply);
-            if items.len() != 2 * call.answers.len() {
+            if items.len() != 3 * call.answers.len() {
                 failed[group] = Some(bad_reply("append"));
                 continue;
             }
-            for (answers, pair) in call.answers.iter().zip(items.chunks(2)) {
-                let cursor = reply::text(&pair[0])
+            for ((answers, item), triple) in call
+                .answers
+                .iter()
+                .zip(&call.items)
+                .zip(items.chunks(3))
+            {
+                let cursor = reply::text(&triple[0])
                     .and_then(|text| Cursor::parse(text).ok())
                     .ok_or_else(|| bad_reply("append cursor"))?;
-                let duplicate = matches!(pair[1], Value::Integer(1));
+                let duplicate = matches!(triple[1], Value::Integer(1));
+                for copy in reply::items(&triple[2]) {
+                    let copy = reply::text(copy)
+                        .and_then(|text| Cursor::parse(text).ok())
+                        .ok_or_else(|| bad_reply("append copy"))?;
+                    copies[*item].push(copy);
+                }
                 // What this request stored; a duplicate's entry may be long trimmed.
                 if !duplicate {
                     self.watermarks
                         .saw(cursor.shard, &cursor.epoch, cursor.position);
                 }
                 if let Some(index) = answers {
-                    answered[*index] = Some(Appended { cursor, duplicate });
+                    answered[*index] = Some(Appended {
+                        cursor,
+                        duplicate,
+                        copies: Vec::new(),
+                    });
                 }
+            }
+        }
+        for (answer, mut copies) in answered.iter_mut().zip(copies) {
+            if let Some(answer) = answer.as_mut().filter(|_| copies.len() == layout.shards as usize) {
+                copies.sort_by_key(|copy| copy.shard);
+                answer.copies = copies;
             }
         }
         if failed.iter().all(Option::is_none) {

@@ -97,8 +97,10 @@ for _ = 1, tonumber(ARGV[5]) do
   if previous then
     table.insert(out, previous)
     table.insert(out, 1)
+    table.insert(out, {})
   else
     local cursor = false
+    local copies = {}
     for s = 0, streams - 1 do
       local stream = KEYS[tonumber(ARGV[first + 2 * s])]
       local shard = ARGV[first + 2 * s + 1]
@@ -115,10 +117,12 @@ for _ = 1, tonumber(ARGV[5]) do
       end
       redis.call('XTRIM', stream, 'MAXLEN', '~', ARGV[3])
       if not cursor then cursor = epoch .. '.' .. shard .. '.' .. id end
+      if dev == '*' then table.insert(copies, epoch .. '.' .. shard .. '.' .. id) end
     end
     if dedupe > 0 and ARGV[4] ~= '0' then redis.call('SET', KEYS[dedupe], cursor, 'PX', ARGV[4]) end
     table.insert(out, cursor)
     table.insert(out, 0)
+    table.insert(out, copies)
   end
 end
 return out

@@ -1,0 +1,289 @@
+//! The fleet store of the memory backend: this pod's devices, in a map behind one mutex, and an
+//! in-process channel. Only this pod's streams exist, so takeover and fleet events stay within
+//! it; the contract is the same as for the shared stores (module doc of `fleet`).
+
+use std::{
+    collections::{BTreeMap, HashMap},
+    sync::Mutex,
+    time::Duration,
+};
+
+use futures_util::{future::BoxFuture, stream::BoxStream, FutureExt, StreamExt};
+use tokio::sync::broadcast;
+
+use super::{
+    ack_moves, AckOutcome, DevicePage, DeviceRecord, FleetMessage, FleetSettings, FleetStore,
+    OnlineFilter, PresenceWrite, Session,
+};
+use crate::{
+    backend::BackendResult,
+    model::{unix_ms, Cursor, DeviceId},
+};
+
+/// Messages a slow subscriber may fall behind by before it misses some (it then relies on
+/// liveness, as after an outage of a shared store).
+const CHANNEL_CAPACITY: usize = 65_536;
+
+pub struct MemoryFleet {
+    settings: FleetSettings,
+    state: Mutex<State>,
+    channel: broadcast::Sender<FleetMessage>,
+}
+
+#[derive(Default)]
+struct State {
+    devices: BTreeMap<DeviceId, Stored>,
+    /// Last beat per instance, Unix ms; `None` once it said it stops.
+    instances: HashMap<String, Option<u64>>,
+    broadcasts: HashMap<String, (u64, Vec<Cursor>)>,
+}
+
+#[derive(Clone)]
+struct Stored {
+    session: Session,
+    ended_ms: Option<u64>,
+    last_sent: Option<Cursor>,
+    acked: Option<Cursor>,
+    acked_ms: Option<u64>,
+    written_ms: u64,
+}
+
+impl MemoryFleet {
+    pub fn new(settings: FleetSettings) -> Self {
+        Self {
+            settings,
+            state: Mutex::new(State::default()),
+            channel: broadcast::channel(CHANNEL_CAPACITY).0,
+        }
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
+impl State {
+    fn forget_old(&mut self, now: u64, retention: Duration) {
+        let oldest = now.saturating_sub(retention.as_millis() as u64);
+        self.devices.retain(|_, stored| stored.written_ms >= oldest);
+        self.broadcasts.retain(|_, (written, _)| *written >= oldest);
+    }
+
+    fn record(&self, stored: &Stored, now: u64, ttl: Duration) -> DeviceRecord {
+        let beat = self
+            .instances
+            .get(&stored.session.instance)
+            .copied()
+            .flatten();
+        let alive = beat.is_some_and(|beat| now.saturating_sub(beat) < ttl.as_millis() as u64);
+        let online = stored.ended_ms.is_none() && alive;
+        let last_seen_ms = match (stored.ended_ms, online) {
+            (Some(ended), _) => ended,
+            (None, true) => now,
+            (None, false) => beat.unwrap_or(stored.session.connected_ms),
+        };
+        DeviceRecord {
+            device: stored.session.device.clone(),
+            online,
+            pod: stored.session.pod.clone(),
+            instance: stored.session.instance.clone(),
+            session: stored.session.session,
+            connected_ms: stored.session.connected_ms,
+            last_seen_ms,
+            remote: stored.session.remote.clone(),
+            user_agent: stored.session.user_agent.clone(),
+            last_sent: stored.last_sent.clone(),
+            acked: stored.acked.clone(),
+            acked_ms: stored.acked_ms,
+        }
+    }
+}
+
+fn same_session(stored: &Stored, instance: &str, session: u64) -> bool {
+    stored.session.instance == instance && stored.session.session == session
+}
+
+impl FleetStore for MemoryFleet {
+    fn write(&self, changes: Vec<PresenceWrite>) -> BoxFuture<'_, BackendResult<()>> {
+        let now = unix_ms();
+        let mut state = self.state();
+        for change in changes {
+            match change {
+                PresenceWrite::Online(session) => {
+                    let (acked, acked_ms) = state
+                        .devices
+                        .get(&session.device)
+                        .map(|stored| (stored.acked.clone(), stored.acked_ms))
+                        .unwrap_or_default();
+                    state.devices.insert(
+                        session.device.clone(),
+                        Stored {
+                            session,
+                            ended_ms: None,
+                            last_sent: None,
+                            acked,
+                            acked_ms,
+                            written_ms: now,
+                        },
+                    );
+                }
+                PresenceWrite::Offline {
+                    session,
+                    at_ms,
+                    last_sent,
+                } => {
+                    if let Some(stored) = state.devices.get_mut(&session.device) {
+                        if same_session(stored, &session.instance, session.session) {
+                            stored.ended_ms = Some(at_ms);
+                            stored.last_sent = last_sent.or(stored.last_sent.take());
+                            stored.written_ms = now;
+                        }
+                    }
+                }
+                PresenceWrite::Sent { session, last_sent } => {
+                    if let Some(stored) = state.devices.get_mut(&session.device) {
+                        if same_session(stored, &session.instance, session.session) {
+                            stored.last_sent = Some(last_sent);
+                            stored.written_ms = now;
+                        }
+                    }
+                }
+            }
+        }
+        state.forget_old(now, self.settings.retention);
+        async { Ok(()) }.boxed()
+    }
+
+    fn beat(&self, _pod: &str, instance: &str, stopping: bool) -> BoxFuture<'_, BackendResult<()>> {
+        let beat = (!stopping).then(unix_ms);
+        self.state().instances.insert(instance.to_owned(), beat);
+        async { Ok(()) }.boxed()
+    }
+
+    fn device(&self, device: &DeviceId) -> BoxFuture<'_, BackendResult<Option<DeviceRecord>>> {
+        let now = unix_ms();
+        let mut state = self.state();
+        state.forget_old(now, self.settings.retention);
+        let record = state
+            .devices
+            .get(device)
+            .map(|stored| state.record(stored, now, self.settings.ttl));
+        async { Ok(record) }.boxed()
+    }
+
+    fn list(
+        &self,
+        filter: OnlineFilter,
+        limit: usize,
+        cursor: Option<&str>,
+    ) -> BoxFuture<'_, BackendResult<DevicePage>> {
+        let now = unix_ms();
+        let mut state = self.state();
+        state.forget_old(now, self.settings.retention);
+        let start = match cursor.map(DeviceId::parse) {
+            Some(Ok(after)) => std::ops::Bound::Excluded(after),
+            _ => std::ops::Bound::Unbounded,
+        };
+        let mut devices = Vec::new();
+        let mut last = None;
+        for (device, stored) in state
+            .devices
+            .range((start, std::ops::Bound::Unbounded))
+            .take(limit.max(1))
+        {
+            last = Some(device.clone());
+            let record = state.record(stored, now, self.settings.ttl);
+            if filter.admits(record.online) {
+                devices.push(record);
+            }
+        }
+        let more = last.as_ref().is_some_and(|last| {
+            state
+                .devices
+                .range((
+                    std::ops::Bound::Excluded(last.clone()),
+                    std::ops::Bound::Unbounded,
+                ))
+                .next()
+                .is_some()
+        });
+        let next = last.filter(|_| more).map(|last| last.to_string());
+        async { Ok(DevicePage { devices, next }) }.boxed()
+    }
+
+    fn ack(
+        &self,
+        device: &DeviceId,
+        cursor: &Cursor,
+        at_ms: u64,
+    ) -> BoxFuture<'_, BackendResult<AckOutcome>> {
+        let now = unix_ms();
+        let mut state = self.state();
+        let stored = state.devices.entry(device.clone()).or_insert_with(|| Stored {
+            session: Session {
+                device: device.clone(),
+                pod: String::new(),
+                instance: String::new(),
+                session: 0,
+                connected_ms: 0,
+                remote: String::new(),
+                user_agent: String::new(),
+            },
+            ended_ms: Some(at_ms),
+            last_sent: None,
+            acked: None,
+            acked_ms: None,
+            written_ms: now,
+        });
+        let outcome = if ack_moves(stored.acked.as_ref(), cursor) {
+            stored.acked = Some(cursor.clone());
+            stored.acked_ms = Some(at_ms);
+            stored.written_ms = now;
+            AckOutcome::Moved
+        } else {
+            AckOutcome::Stale
+        };
+        async move { Ok(outcome) }.boxed()
+    }
+
+    fn record_broadcast(&self, copies: Vec<Cursor>) -> BoxFuture<'_, BackendResult<()>> {
+        if let Some(id) = copies.first() {
+            let id = id.to_string();
+            self.state().broadcasts.insert(id, (unix_ms(), copies));
+        }
+        async { Ok(()) }.boxed()
+    }
+
+    fn broadcast_copies(&self, id: &Cursor) -> BoxFuture<'_, BackendResult<Option<Vec<Cursor>>>> {
+        let copies = self
+            .state()
+            .broadcasts
+            .get(&id.to_string())
+            .map(|(_, copies)| copies.clone());
+        async { Ok(copies) }.boxed()
+    }
+
+    fn announce(&self, messages: Vec<FleetMessage>) -> BoxFuture<'_, BackendResult<()>> {
+        for message in messages {
+            // No subscriber yet is not an error: nobody was listening.
+            let _ = self.channel.send(message);
+        }
+        async { Ok(()) }.boxed()
+    }
+
+    fn subscribe(&self) -> BoxFuture<'_, BackendResult<BoxStream<'static, FleetMessage>>> {
+        let receiver = self.channel.subscribe();
+        let stream = futures_util::stream::unfold(receiver, |mut receiver| async move {
+            loop {
+                match receiver.recv().await {
+                    Ok(message) => return Some((message, receiver)),
+                    // Missed some: go on with what follows, as after an outage.
+                    Err(broadcast::error::RecvError::Lagged(_)) => continue,
+                    Err(broadcast::error::RecvError::Closed) => return None,
+                }
+            }
+        })
+        .boxed();
+        async { Ok(stream) }.boxed()
+    }
+}

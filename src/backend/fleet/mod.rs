@@ -1,0 +1,211 @@
+//! The fleet store: what every pod records about the devices it serves (presence and
+//! acknowledgements) and the channel on which pods tell each other about connects, disconnects
+//! and their own liveness. Implemented by the memory backend (this pod only), Redis (shared keys
+//! and a pub/sub channel) and NATS (KV buckets and a core subject); docs/fleet.md describes the
+//! keys, and `tests/conformance/fleet.rs` holds every implementation to this contract.
+//!
+//! # Contract
+//! - **Sessions.** A device's record names its latest session: the pod (display name), the pod
+//!   *instance* (random per process, so a restarted pod with the same name does not revive the
+//!   sessions of its previous life), the session id (unique within the instance), when it
+//!   connected, the remote address and the user agent. `Online` replaces the record's session;
+//!   `Offline` ends it only if the record still names that same instance and session (a late
+//!   goodbye of a replaced session changes nothing). Progress (`Sent`) likewise.
+//! - **Liveness.** A device is online iff its record names a session that has not ended and whose
+//!   instance has beaten (`beat`) within `ttl`, measured on the store's clock where it has one
+//!   (Redis `TIME`, the NATS server's timestamps). So the devices of a pod that died without a
+//!   goodbye turn offline within `ttl`, with no writer. `last_seen_at` is then the instance's last
+//!   beat; for an ended session its end; for an online device the time of the read.
+//! - **Retention.** A record not written for `retention` may be forgotten (404). Stores bound
+//!   their size by it.
+//! - **Listing** pages in a stable order (by device id) with an opaque `next` cursor; a page may
+//!   hold fewer than `limit` devices (a filter dropped some) and still have a `next`. A device
+//!   added or removed between two pages may or may not appear; no device present throughout is
+//!   skipped or repeated.
+//! - **Acks** only move forward: within one epoch of the device's shard, a position at or below
+//!   the stored one changes nothing; a cursor of another epoch replaces the stored one (the
+//!   stream began a new life, whose positions say nothing about the old one's). Atomic with
+//!   respect to concurrent acks of the same device (a Lua compare, a KV revision check, a lock).
+//!   An ack creates the record when none exists (the device never connected through a hub).
+//! - **Broadcast copies.** The hub records, for every broadcast it appends, the cursor of its
+//!   copy on every shard, keyed by the id it answered (the copy on shard 0), for `retention`.
+//! - **Channel.** `announce` reaches every subscriber of every pod, this one included, at most
+//!   once and in order per publisher; `subscribe` is resubscribed by the store after an outage
+//!   (messages sent meanwhile are lost: consumers fall back on liveness).
+
+pub mod memory;
+
+use std::time::Duration;
+
+use futures_util::{future::BoxFuture, stream::BoxStream};
+use serde::{Deserialize, Serialize};
+
+use super::BackendResult;
+use crate::model::{Cursor, DeviceId};
+
+/// What every store is built with (`[presence]`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FleetSettings {
+    /// An instance that has not beaten for this long is dead, and its sessions offline.
+    pub ttl: Duration,
+    /// Records (and broadcast copies) not written for this long may be forgotten.
+    pub retention: Duration,
+}
+
+/// One session of a device on one pod.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Session {
+    pub device: DeviceId,
+    /// The pod's display name (`presence.pod_name`).
+    pub pod: String,
+    /// Random per process: liveness is per instance.
+    pub instance: String,
+    /// Unique within the instance (the connection id).
+    pub session: u64,
+    /// Unix ms, the pod's clock.
+    pub connected_ms: u64,
+    pub remote: String,
+    pub user_agent: String,
+}
+
+/// Names one session without its details.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct SessionRef {
+    pub device: DeviceId,
+    pub instance: String,
+    pub session: u64,
+}
+
+/// A change to the presence records, written in batches.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PresenceWrite {
+    /// The device's latest session began.
+    Online(Session),
+    /// The session ended at `at_ms` (the pod's clock) having last written `last_sent`.
+    Offline {
+        session: SessionRef,
+        at_ms: u64,
+        last_sent: Option<Cursor>,
+    },
+    /// The session has written events up to `last_sent`.
+    Sent {
+        session: SessionRef,
+        last_sent: Cursor,
+    },
+}
+
+/// What a store knows of one device, as `GET /v1/devices/{device}` answers it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceRecord {
+    pub device: DeviceId,
+    pub online: bool,
+    pub pod: String,
+    /// The session's instance and id (not shown by the API: what a pod starting up needs to
+    /// follow the devices already online).
+    pub instance: String,
+    pub session: u64,
+    pub connected_ms: u64,
+    /// Unix ms: the read for an online device; the session's end, or its pod's last beat.
+    pub last_seen_ms: u64,
+    pub remote: String,
+    pub user_agent: String,
+    pub last_sent: Option<Cursor>,
+    pub acked: Option<Cursor>,
+    pub acked_ms: Option<u64>,
+}
+
+/// Which devices a listing returns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OnlineFilter {
+    Any,
+    Online,
+    Offline,
+}
+
+impl OnlineFilter {
+    pub fn admits(self, online: bool) -> bool {
+        match self {
+            OnlineFilter::Any => true,
+            OnlineFilter::Online => online,
+            OnlineFilter::Offline => !online,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DevicePage {
+    pub devices: Vec<DeviceRecord>,
+    /// Where the next page starts; `None` after the last page.
+    pub next: Option<String>,
+}
+
+/// What an ack did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AckOutcome {
+    /// Stored: it was ahead of the stored ack (or of another epoch, or the first).
+    Moved,
+    /// At or behind the stored ack: nothing changed.
+    Stale,
+}
+
+/// What pods tell each other.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum FleetMessage {
+    /// A stream opened; any older stream of the device on another pod closes (`takeover`).
+    Connected(Session),
+    /// A stream ended.
+    Disconnected { session: SessionRef, at_ms: u64 },
+    /// An instance is alive; sent every `ttl / 3`. `stopping`: its last word before exiting
+    /// (its sessions ended with it).
+    Alive {
+        pod: String,
+        instance: String,
+        at_ms: u64,
+        stopping: bool,
+    },
+}
+
+pub trait FleetStore: Send + Sync + 'static {
+    /// Applies a batch of presence changes in order, in as few round trips as the store allows.
+    fn write(&self, changes: Vec<PresenceWrite>) -> BoxFuture<'_, BackendResult<()>>;
+    /// Records that `instance` (of pod `pod`) is alive; stale after the store's `ttl`. With
+    /// `stopping`, the instance is gone at once (its sessions are offline).
+    fn beat(&self, pod: &str, instance: &str, stopping: bool) -> BoxFuture<'_, BackendResult<()>>;
+    /// The device's record, `None` if unknown or forgotten.
+    fn device(&self, device: &DeviceId) -> BoxFuture<'_, BackendResult<Option<DeviceRecord>>>;
+    /// Up to `limit` devices after `cursor` (from the start when `None`), in device-id order.
+    fn list(
+        &self,
+        filter: OnlineFilter,
+        limit: usize,
+        cursor: Option<&str>,
+    ) -> BoxFuture<'_, BackendResult<DevicePage>>;
+    /// Stores `cursor` as the device's acknowledged position if it moves forward.
+    fn ack(
+        &self,
+        device: &DeviceId,
+        cursor: &Cursor,
+        at_ms: u64,
+    ) -> BoxFuture<'_, BackendResult<AckOutcome>>;
+    /// Records the copies of a broadcast (one per shard, in shard order) under the id the hub
+    /// answered, `copies[0]`.
+    fn record_broadcast(&self, copies: Vec<Cursor>) -> BoxFuture<'_, BackendResult<()>>;
+    /// The copies of the broadcast answered as `id`; `None` if unknown or forgotten.
+    fn broadcast_copies(&self, id: &Cursor) -> BoxFuture<'_, BackendResult<Option<Vec<Cursor>>>>;
+    /// Sends `messages` to every pod's subscription, in order, in one message of the channel
+    /// (a storm's connects travel in batches, not one publish each).
+    fn announce(&self, messages: Vec<FleetMessage>) -> BoxFuture<'_, BackendResult<()>>;
+    /// Every message announced from now on, by any pod.
+    fn subscribe(&self) -> BoxFuture<'_, BackendResult<BoxStream<'static, FleetMessage>>>;
+}
+
+/// Whether an ack of `new` moves the device's acknowledged position forward from `stored`.
+pub fn ack_moves(stored: Option<&Cursor>, new: &Cursor) -> bool {
+    match stored {
+        None => true,
+        Some(stored) => {
+            stored.epoch != new.epoch || stored.shard != new.shard || new.position > stored.position
+        }
+    }
+}
