@@ -310,7 +310,10 @@ pub fn serve(config: Config) -> Result<(), ServeError> {
             // The last presence writes, and the word that this instance is gone, so that its
             // devices show offline now rather than after presence.ttl.
             let farewell = fleet.actor.send(Farewell);
-            if tokio::time::timeout(FAREWELL_TIMEOUT, farewell).await.is_err() {
+            if tokio::time::timeout(FAREWELL_TIMEOUT, farewell)
+                .await
+                .is_err()
+            {
                 log::warn!("presence: the farewell did not reach the backend in time");
             }
         }

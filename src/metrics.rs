@@ -85,6 +85,7 @@ pub struct Metrics {
     pub ready: IntGauge,
     pub drain_duration_seconds: Gauge,
     pub fleet_devices_online: IntGauge,
+    fleet_acks: IntCounterVec,
 }
 
 fn counter(registry: &Registry, name: &str, help: &str) -> IntCounter {
@@ -153,6 +154,16 @@ impl Metrics {
         );
         let router_events =
             RouteResult::ALL.map(|result| router_events_vec.with_label_values(&[result.label()]));
+        let fleet_acks = counter_vec(
+            r,
+            "fleet_acks_total",
+            "acknowledgements received (POST /v1/devices/{device}/ack), by result: moved (stored), \
+             stale (at or behind the stored ack)",
+            "result",
+        );
+        for result in ["moved", "stale"] {
+            fleet_acks.with_label_values(&[result]);
+        }
         let publish_events = counter_vec(
             r,
             "publish_events_total",
@@ -237,6 +248,7 @@ impl Metrics {
         }
 
         Self {
+            fleet_acks,
             fleet_devices_online: gauge(
                 r,
                 "fleet_devices_online",
@@ -327,6 +339,13 @@ impl Metrics {
             .position(|r| *r == result)
             .unwrap_or(0);
         self.router_events[index].inc_by(count);
+    }
+
+    /// An ack that moved the device's acknowledged position (`true`) or was stale.
+    pub fn acked(&self, moved: bool) {
+        self.fleet_acks
+            .with_label_values(&[if moved { "moved" } else { "stale" }])
+            .inc();
     }
 
     pub fn published(&self, result: PublishResult, count: u64) {

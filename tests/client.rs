@@ -356,3 +356,47 @@ async fn retry_after_of_a_503_is_honoured() {
         "Retry-After: 5 means at least 5000 ms, got {delay}"
     );
 }
+
+/// With a cursor file the client acknowledges what it persisted: the newest cursor, at most once
+/// per second (a burst of 30 events is a handful of acks, the last one naming the last event);
+/// `--no-ack` sends none.
+#[tokio::test]
+async fn persisted_cursors_are_acknowledged_at_most_once_per_second() {
+    let hub = Hub::builder().start().await;
+    let tail = Tail::start_with_cursor(&hub.base_url(), "pos-ack");
+    tail.wait_stderr("connected").await;
+    let started = Instant::now();
+    for n in 0..30 {
+        publish(&hub, "pos-ack", &format!("e{n}")).await;
+    }
+    let lines = tail.wait_lines(30).await;
+    let last_id = lines[29].split('\t').next().unwrap().to_string();
+    let deadline = Instant::now() + WAIT;
+    let acked = loop {
+        let record = http::get(hub.addr(), "/v1/devices/pos-ack").await.json();
+        if record["acked_id"] == last_id.as_str() {
+            break record;
+        }
+        assert!(Instant::now() < deadline, "never acked {last_id}: {record}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert!(acked["acked_at"].is_string());
+    let acks = support::metrics::scrape(hub.addr())
+        .await
+        .value_or_zero("fleet_acks_total", &[("result", "moved")]);
+    // One ack per second since the first event, and the first at once.
+    let allowed = started.elapsed().as_secs_f64().ceil() + 1.0;
+    assert!(
+        (1.0..=allowed).contains(&acks),
+        "{acks} acks for 30 events in {:?}",
+        started.elapsed()
+    );
+
+    let quiet = Tail::spawn(&hub.base_url(), "pos-quiet", &["--no-ack"], true);
+    quiet.wait_stderr("connected").await;
+    publish(&hub, "pos-quiet", "x").await;
+    quiet.wait_lines(1).await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let record = http::get(hub.addr(), "/v1/devices/pos-quiet").await.json();
+    assert_eq!(record["acked_id"], serde_json::Value::Null, "{record}");
+}

@@ -33,6 +33,7 @@ fn follow_device(
         token: None,
         cursor_file: None,
         heartbeat: Duration::from_secs(20),
+        ack: false,
     };
     let task = tokio::spawn(async move {
         let _ = follow(options, move |notice| {

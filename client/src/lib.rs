@@ -15,6 +15,7 @@
 //!   and retried with backoff, since a fleet must come back by itself once the hub's certificate
 //!   is fixed.
 
+pub mod ack;
 pub mod cursor;
 pub mod dechunk;
 pub mod parser;
@@ -55,6 +56,9 @@ pub struct ClientOptions {
     pub cursor_file: Option<PathBuf>,
     /// The hub's `sse.heartbeat`; three of them without a byte mean the connection is dead.
     pub heartbeat: Duration,
+    /// With a cursor file: acknowledge each persisted cursor to the hub (at most once per
+    /// second, see [`ack`]), so that its fleet API knows what the device has processed.
+    pub ack: bool,
 }
 
 /// What the client tells the application.
@@ -87,10 +91,12 @@ pub enum ClientError {
     Cursor { path: PathBuf, source: io::Error },
 }
 
+#[derive(Clone)]
 struct Target {
     /// What the TCP connection goes to, and the request's `Host`.
     host_port: String,
     path: String,
+    ack_path: String,
     /// For `https://`: the connector and the name the certificate must carry.
     tls: Option<(TlsConnector, ServerName<'static>)>,
 }
@@ -130,6 +136,7 @@ fn target(options: &ClientOptions) -> Result<Target, ClientError> {
     Ok(Target {
         host_port: format!("{host}:{port}"),
         path: format!("{prefix}/v1/devices/{}/events", options.device),
+        ack_path: format!("{prefix}/v1/devices/{}/ack", options.device),
         tls,
     })
 }
@@ -202,6 +209,12 @@ enum Ended {
     Fatal(ClientError),
 }
 
+/// Where a cursor goes once the application has its event: the cursor file, then an ack.
+struct Kept<'a> {
+    store: Option<&'a CursorFile>,
+    acker: Option<&'a ack::Acker>,
+}
+
 /// Follows the device's stream until a fatal error (a refusal, an unusable cursor file).
 pub async fn follow(
     options: ClientOptions,
@@ -209,6 +222,12 @@ pub async fn follow(
 ) -> Result<(), ClientError> {
     let target = target(&options)?;
     let store = options.cursor_file.clone().map(CursorFile::new);
+    let acker = (options.ack && store.is_some())
+        .then(|| ack::Acker::start(target.clone(), options.token.clone()));
+    let kept = Kept {
+        store: store.as_ref(),
+        acker: acker.as_ref(),
+    };
     let mut cursor = match &store {
         Some(store) => store.load().map_err(|source| ClientError::Cursor {
             path: store.path().to_path_buf(),
@@ -223,7 +242,7 @@ pub async fn follow(
         let ended = connect_once(
             &options,
             &target,
-            store.as_ref(),
+            &kept,
             &mut cursor,
             &mut policy,
             &mut delivered,
@@ -251,7 +270,7 @@ pub async fn follow(
 async fn connect_once(
     options: &ClientOptions,
     target: &Target,
-    store: Option<&CursorFile>,
+    kept: &Kept<'_>,
     cursor: &mut Option<String>,
     policy: &mut ReconnectPolicy,
     delivered: &mut u64,
@@ -372,12 +391,15 @@ async fn connect_once(
                     }
                     // Persist only after the application has the event: at-least-once.
                     *cursor = event.id.clone();
-                    if let (Some(store), Some(id)) = (store, &event.id) {
+                    if let (Some(store), Some(id)) = (kept.store, &event.id) {
                         if let Err(source) = store.store(id) {
                             return Ended::Fatal(ClientError::Cursor {
                                 path: store.path().to_path_buf(),
                                 source,
                             });
+                        }
+                        if let Some(acker) = kept.acker {
+                            acker.persisted(id);
                         }
                     }
                 }
@@ -414,6 +436,7 @@ mod tests {
             token: None,
             cursor_file: None,
             heartbeat: Duration::from_secs(20),
+            ack: false,
         }
     }
 

@@ -225,12 +225,7 @@ impl Fleet {
                         session.instance.clone(),
                         session.session,
                     );
-                    self.close_older(
-                        &session.device,
-                        tuple.0,
-                        tuple.1.clone(),
-                        tuple.2,
-                    );
+                    self.close_older(&session.device, tuple.0, tuple.1.clone(), tuple.2);
                     let newer = self
                         .remote_connects
                         .get(&session.device)
@@ -255,7 +250,8 @@ impl Fleet {
                         reported,
                     },
                 );
-                self.due.push_back((now + self.config.debounce, session.device));
+                self.due
+                    .push_back((now + self.config.debounce, session.device));
             }
             FleetMessage::Disconnected { session, .. } => {
                 if let Some(seen) = self.view.get_mut(&session.device) {
@@ -350,9 +346,9 @@ impl Fleet {
             }
             self.publish(frame);
         }
-        self.metrics.fleet_devices_online.set(
-            self.view.values().filter(|seen| seen.reported).count() as i64,
-        );
+        self.metrics
+            .fleet_devices_online
+            .set(self.view.values().filter(|seen| seen.reported).count() as i64);
         self.remote_connects
             .retain(|_, (_, heard)| heard.elapsed() < RACE_WINDOW);
     }
@@ -383,29 +379,32 @@ impl Fleet {
             };
             (writes, written, announced)
         };
-        ctx.spawn(work.into_actor(self).map(|(writes, written, announced), fleet, _| {
-            fleet.flushing = false;
-            if let Err(error) = written {
-                log::warn!(
-                    "presence: {} writes failed, kept for the next flush: {}",
-                    writes.len(),
-                    crate::report::Report(&error)
-                );
-                let mut kept = writes;
-                kept.append(&mut fleet.pending_writes);
-                let excess = kept.len().saturating_sub(MAX_PENDING);
-                kept.drain(..excess);
-                fleet.pending_writes = kept;
-            }
-            if let Err(error) = announced {
-                // Other pods miss these connects: their takeover and events fall back on
-                // liveness (ttl).
-                log::warn!(
-                    "presence: announcements lost: {}",
-                    crate::report::Report(&error)
-                );
-            }
-        }));
+        ctx.spawn(
+            work.into_actor(self)
+                .map(|(writes, written, announced), fleet, _| {
+                    fleet.flushing = false;
+                    if let Err(error) = written {
+                        log::warn!(
+                            "presence: {} writes failed, kept for the next flush: {}",
+                            writes.len(),
+                            crate::report::Report(&error)
+                        );
+                        let mut kept = writes;
+                        kept.append(&mut fleet.pending_writes);
+                        let excess = kept.len().saturating_sub(MAX_PENDING);
+                        kept.drain(..excess);
+                        fleet.pending_writes = kept;
+                    }
+                    if let Err(error) = announced {
+                        // Other pods miss these connects: their takeover and events fall back on
+                        // liveness (ttl).
+                        log::warn!(
+                            "presence: announcements lost: {}",
+                            crate::report::Report(&error)
+                        );
+                    }
+                }),
+        );
     }
 
     fn beat(&mut self, stopping: bool) -> impl std::future::Future<Output = ()> + 'static {
@@ -422,29 +421,30 @@ impl Fleet {
                 log::warn!("presence: beat failed: {}", crate::report::Report(&error));
             }
             if let Err(error) = store.announce(vec![message]).await {
-                log::warn!("presence: beat not announced: {}", crate::report::Report(&error));
+                log::warn!(
+                    "presence: beat not announced: {}",
+                    crate::report::Report(&error)
+                );
             }
         }
     }
 
     fn subscribe(&mut self, ctx: &mut Context<Self>) {
         let store = self.store.clone();
-        ctx.spawn(
-            async move { store.subscribe().await }
-                .into_actor(self)
-                .map(|subscribed, _, ctx| match subscribed {
-                    Ok(messages) => {
-                        ctx.add_stream(messages);
-                    }
-                    Err(error) => {
-                        log::warn!(
-                            "fleet channel: cannot subscribe, retrying in 2s: {}",
-                            crate::report::Report(&error)
-                        );
-                        ctx.run_later(Duration::from_secs(2), |fleet, ctx| fleet.subscribe(ctx));
-                    }
-                }),
-        );
+        ctx.spawn(async move { store.subscribe().await }.into_actor(self).map(
+            |subscribed, _, ctx| match subscribed {
+                Ok(messages) => {
+                    ctx.add_stream(messages);
+                }
+                Err(error) => {
+                    log::warn!(
+                        "fleet channel: cannot subscribe, retrying in 2s: {}",
+                        crate::report::Report(&error)
+                    );
+                    ctx.run_later(Duration::from_secs(2), |fleet, ctx| fleet.subscribe(ctx));
+                }
+            },
+        ));
     }
 
     /// Devices online when this pod starts, so that their going offline is reported too.
@@ -580,7 +580,10 @@ impl Handler<Farewell> for Fleet {
             async move {
                 if !writes.is_empty() {
                     if let Err(error) = store.write(writes).await {
-                        log::warn!("presence: last writes failed: {}", crate::report::Report(&error));
+                        log::warn!(
+                            "presence: last writes failed: {}",
+                            crate::report::Report(&error)
+                        );
                     }
                 }
                 if !messages.is_empty() {

@@ -2,8 +2,8 @@
 //! travel through actix mailboxes past the Router: it `try_send`s into each stream's bounded
 //! queue.
 
-pub mod rotation;
 pub mod fleet;
+pub mod rotation;
 pub mod router;
 pub mod shutdown;
 pub mod stream_tail;

@@ -34,6 +34,10 @@ pub struct TailArgs {
     /// replayed (at-most-once).
     #[arg(long, value_name = "FILE")]
     pub cursor_file: Option<PathBuf>,
+    /// Do not acknowledge persisted cursors to the hub (by default, with --cursor-file, the
+    /// newest is acknowledged at most once per second: POST /v1/devices/{device}/ack).
+    #[arg(long)]
+    pub no_ack: bool,
     #[arg(long, value_enum, default_value = "text")]
     pub format: Format,
     /// The hub's heartbeat interval; silence for three of them means a dead connection.
@@ -54,6 +58,7 @@ pub fn run(args: TailArgs) -> Result<(), CliError> {
         token: args.token,
         cursor_file: args.cursor_file,
         heartbeat: args.heartbeat,
+        ack: !args.no_ack,
     };
     let format = args.format;
     let runtime = tokio::runtime::Builder::new_current_thread()

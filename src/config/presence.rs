@@ -69,10 +69,7 @@ impl TryFrom<RawPresence> for PresenceConfig {
         }
         let debounce = duration("presence.debounce", &raw.debounce)?;
         if debounce > Duration::from_secs(3600) {
-            return Err(invalid(
-                "presence.debounce",
-                "must be at most 1h",
-            ));
+            return Err(invalid("presence.debounce", "must be at most 1h"));
         }
         if raw.pod_name.len() > 128 || raw.pod_name.chars().any(char::is_control) {
             return Err(invalid(

@@ -166,8 +166,8 @@ pub async fn ack(
     require_json(request, "POST /v1/devices/{device}/ack")?;
     let fleet = fleet_of(state)?;
     let body = read_limited(request, payload, MAX_ACK_BODY).await?;
-    let ack: AckBody =
-        serde_json::from_slice(&body).map_err(|error| ApiError::MalformedJson(error.to_string()))?;
+    let ack: AckBody = serde_json::from_slice(&body)
+        .map_err(|error| ApiError::MalformedJson(error.to_string()))?;
     let cursor = Cursor::parse(&ack.id).map_err(|_| ApiError::InvalidField {
         index: None,
         field: "id",
@@ -184,7 +184,10 @@ pub async fn ack(
             ),
         });
     }
-    fleet.store.ack(&device, &cursor, unix_ms()).await?;
+    let outcome = fleet.store.ack(&device, &cursor, unix_ms()).await?;
+    state
+        .metrics
+        .acked(outcome == crate::backend::fleet::AckOutcome::Moved);
     Ok(HttpResponse::NoContent().finish())
 }
 
@@ -235,16 +238,12 @@ pub async fn unacknowledged(
             (unacked, None)
         }
         Target::Broadcast => {
-            let copies = fleet
-                .store
-                .broadcast_copies(&event)
-                .await?
-                .ok_or_else(|| {
-                    ApiError::EventNotFound(format!(
-                        "{event_text} is not a broadcast published through POST /v1/events \
+            let copies = fleet.store.broadcast_copies(&event).await?.ok_or_else(|| {
+                ApiError::EventNotFound(format!(
+                    "{event_text} is not a broadcast published through POST /v1/events \
                          within presence.retention (the hub records the copies of those only)"
-                    ))
-                })?;
+                ))
+            })?;
             let page = fleet
                 .store
                 .list(OnlineFilter::Any, limit, query.cursor.as_deref())

@@ -92,9 +92,11 @@ pub fn configure(state: AppState) -> impl FnOnce(&mut web::ServiceConfig) {
             )
             .service(
                 web::resource("/v1/fleet/unacknowledged")
-                    .route(web::get().to(|request: HttpRequest, state: web::Data<AppState>| async move {
-                        fleet::unacknowledged(&request, &state).await
-                    }))
+                    .route(web::get().to(
+                        |request: HttpRequest, state: web::Data<AppState>| async move {
+                            fleet::unacknowledged(&request, &state).await
+                        },
+                    ))
                     .default_service(web::to(|| method_not_allowed("GET"))),
             )
             .service(web::resource("/healthz").route(web::get().to(ops::healthz)))

@@ -103,7 +103,8 @@ mod tests {
             "[2001:db8::1]:80",
             "0.0.0.0:1",
         ] {
-            let error = loopback_only(Some(refused.parse().unwrap()), "admin endpoints").unwrap_err();
+            let error =
+                loopback_only(Some(refused.parse().unwrap()), "admin endpoints").unwrap_err();
             assert!(matches!(error, ApiError::Forbidden(_)), "{refused}");
         }
         assert!(

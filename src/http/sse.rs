@@ -182,7 +182,10 @@ mod tests {
 
     #[test]
     fn paths_under_devices_name_one_segment_then_what() {
-        assert_eq!(device_path("/pos-1/events"), Some(DevicePath::Events("pos-1")));
+        assert_eq!(
+            device_path("/pos-1/events"),
+            Some(DevicePath::Events("pos-1"))
+        );
         assert_eq!(device_path("/pos-1/ack"), Some(DevicePath::Ack("pos-1")));
         assert_eq!(device_path("/pos-1"), Some(DevicePath::Device("pos-1")));
         assert_eq!(device_path(""), Some(DevicePath::Fleet));

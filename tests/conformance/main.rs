@@ -19,6 +19,7 @@
 mod support;
 
 mod env;
+mod fleet;
 mod idempotency;
 mod loss;
 mod order;
@@ -184,6 +185,14 @@ macro_rules! conformance {
 }
 
 conformance! {
+    fleet::presence_follows_a_session,
+    fleet::a_killed_pods_devices_go_offline_within_ttl,
+    fleet::the_fleet_pages_through_1000_devices,
+    fleet::fleet_events_are_debounced,
+    fleet::acks_only_move_forward,
+    fleet::the_unacknowledged_are_listed,
+    fleet::a_new_stream_takes_over_across_pods,
+    fleet::a_double_connect_leaves_one_stream,
     order::live_events_arrive_in_order_as_published,
     order::a_broadcast_reaches_every_shard_once,
     order::a_tail_starts_at_now,

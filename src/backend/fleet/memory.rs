@@ -58,7 +58,9 @@ impl MemoryFleet {
     }
 
     fn state(&self) -> std::sync::MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+        self.state
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 }
 
@@ -219,22 +221,25 @@ impl FleetStore for MemoryFleet {
     ) -> BoxFuture<'_, BackendResult<AckOutcome>> {
         let now = unix_ms();
         let mut state = self.state();
-        let stored = state.devices.entry(device.clone()).or_insert_with(|| Stored {
-            session: Session {
-                device: device.clone(),
-                pod: String::new(),
-                instance: String::new(),
-                session: 0,
-                connected_ms: 0,
-                remote: String::new(),
-                user_agent: String::new(),
-            },
-            ended_ms: Some(at_ms),
-            last_sent: None,
-            acked: None,
-            acked_ms: None,
-            written_ms: now,
-        });
+        let stored = state
+            .devices
+            .entry(device.clone())
+            .or_insert_with(|| Stored {
+                session: Session {
+                    device: device.clone(),
+                    pod: String::new(),
+                    instance: String::new(),
+                    session: 0,
+                    connected_ms: 0,
+                    remote: String::new(),
+                    user_agent: String::new(),
+                },
+                ended_ms: Some(at_ms),
+                last_sent: None,
+                acked: None,
+                acked_ms: None,
+                written_ms: now,
+            });
         let outcome = if ack_moves(stored.acked.as_ref(), cursor) {
             stored.acked = Some(cursor.clone());
             stored.acked_ms = Some(at_ms);
