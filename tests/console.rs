@@ -1,6 +1,7 @@
 //! The operator's page `GET /admin/console` (docs/http-api.md, section 10), in headless Chromium:
 //! its headers, that it loads without a console error under its Content-Security-Policy, that the
-//! numbers it shows are those of `/metrics`, that its device lookup computes the hub's shard, and
+//! numbers it shows are those of `/metrics`, that its device lookup computes the hub's shard and
+//! shows the device's presence, and
 //! that its drain button, once confirmed, drains the pod.
 //!
 //! Needs Debian's `chromium` (`scripts/test` installs it). With `POSTHORN_CONSOLE_SCREENSHOT=<path>`
@@ -238,11 +239,37 @@ async fn console_shows_the_metrics_and_drains() {
         page.evaluate(&shown("lookup-shard")).await,
         json!(2_524_787_842u64 % 64)
     );
+    // Presence from the fleet API: pos-0 is connected and was sent "hello"; pos-17 never was.
+    let text = |id: &str| format!("document.getElementById('{id}').textContent");
+    page.wait_for(
+        "document.getElementById('lookup-presence').textContent \
+         === 'unknown device (or the fleet API is off)'",
+        PAGE_WAIT,
+        "presence of pos-17",
+    )
+    .await;
+    let record = http::get(hub.addr(), "/v1/devices/pos-0").await.json();
+    page.evaluate(
+        "document.getElementById('lookup-device').value = 'pos-0'; \
+         document.getElementById('lookup').click()",
+    )
+    .await;
+    page.wait_for(
+        "document.getElementById('lookup-presence').textContent === 'online'",
+        PAGE_WAIT,
+        "presence of pos-0",
+    )
+    .await;
+    assert_eq!(page.evaluate(&text("lookup-pod")).await, record["pod"]);
+    assert_eq!(
+        page.evaluate(&text("lookup-seen")).await,
+        record["connected_at"]
+    );
 
     if let Ok(path) = std::env::var("POSTHORN_CONSOLE_SCREENSHOT") {
         save_screenshot(&mut page, &path).await;
     }
-    let errors = page.console_errors();
+    let errors = faults(&page);
     assert!(errors.is_empty(), "console errors: {errors:#?}");
 
     // The button only asks; nothing happens until the confirmation.
@@ -280,8 +307,23 @@ async fn console_shows_the_metrics_and_drains() {
         "the drain",
     )
     .await;
-    let errors = page.console_errors();
+    let errors = faults(&page);
     assert!(errors.is_empty(), "console errors: {errors:#?}");
+}
+
+/// The page's console errors, but for the one expected: the browser logs the 404 of the
+/// lookup of a device the hub does not know.
+fn faults(page: &Cdp) -> Vec<&serde_json::Value> {
+    page.console_errors()
+        .into_iter()
+        .filter(|error| {
+            let entry = &error["params"]["entry"];
+            !(entry["source"] == "network"
+                && entry["url"]
+                    .as_str()
+                    .is_some_and(|url| url.ends_with("/v1/devices/pos-17")))
+        })
+        .collect()
 }
 
 /// Saves a PNG of the page at `path` (for docs/console.png).

@@ -63,16 +63,18 @@ async fn healthz_and_readyz_are_ok() {
     assert_eq!(resp.header("retry-after"), None);
 }
 
-/// An unknown path is a 404 JSON `not_found` error.
+/// An unknown path is a 404 JSON `not_found` error (`/v1/devices` and `/v1/devices/{device}`
+/// are the fleet API's: a device never seen is `device_not_found`).
 #[tokio::test]
 async fn unknown_path_is_json_404() {
     let hub = Hub::builder().start().await;
+    let resp = http::get(hub.addr(), "/v1/devices/pos-1").await;
+    assert_json_error(&resp, 404, "device_not_found");
     for path in [
         "/nope",
-        "/v1/devices",
         "/v1/devices/pos-1/events/extra",
         "/v1/devices/pos-1/events/",
-        "/v1/devices/pos-1",
+        "/v1/devices/pos-1/",
         "/v1/devices//events",
         "/v1/devicesx/pos-1/events",
         "/",
