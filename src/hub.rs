@@ -227,7 +227,7 @@ pub fn serve(config: Config) -> Result<(), ServeError> {
             let instance = instance_id();
             let (actor_store, actor_router, actor_metrics, presence) = (
                 store.clone(),
-                router.clone(),
+                router.clone().recipient(),
                 metrics.clone(),
                 config.presence.clone(),
             );

@@ -2,7 +2,9 @@
 //! (`POST /v1/devices/{device}/ack`, docs/http-api.md) that the device has processed everything up
 //! to it, so that a back office can see which terminals applied an event. At most once per second,
 //! and only the newest cursor: an ack covers everything before it. A failed ack is not retried on
-//! its own (the next cursor's ack covers it); a hub whose fleet API is off (404) is not asked again.
+//! its own (the next cursor's ack covers it); a hub whose fleet API is off (404 `fleet_disabled`)
+//! is not asked again. Any other answer (a pod of an older version during a rolling deploy
+//! answers 404 `not_found`) just waits for the next cursor.
 
 use std::time::Duration;
 
@@ -30,8 +32,7 @@ impl Acker {
                 let Some(cursor) = persisted.borrow_and_update().clone() else {
                     continue;
                 };
-                // 404: the hub does not keep acks (its fleet API is off); stop asking.
-                if let Ok(404) = send(&target, token.as_deref(), &cursor).await {
+                if let Ok(Answer::FleetDisabled) = send(&target, token.as_deref(), &cursor).await {
                     return;
                 }
                 tokio::time::sleep(ACK_INTERVAL).await;
@@ -46,8 +47,17 @@ impl Acker {
     }
 }
 
-/// One ack; the status the hub answered.
-async fn send(target: &Target, token: Option<&str>, cursor: &str) -> Result<u16, String> {
+/// What the hub said to an ack.
+#[derive(Debug, PartialEq, Eq)]
+enum Answer {
+    /// Any status but the one below.
+    Status(u16),
+    /// 404 `fleet_disabled`: this hub keeps no acks.
+    FleetDisabled,
+}
+
+/// One ack.
+async fn send(target: &Target, token: Option<&str>, cursor: &str) -> Result<Answer, String> {
     let body = serde_json::json!({ "id": cursor }).to_string();
     let mut request = format!(
         "POST {} HTTP/1.1\r\nHost: {}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n",
@@ -66,21 +76,28 @@ async fn send(target: &Target, token: Option<&str>, cursor: &str) -> Result<u16,
             .write_all(request.as_bytes())
             .await
             .map_err(|error| error.to_string())?;
-        let mut head = [0u8; 16];
-        let mut read = 0;
-        while read < head.len() {
-            match stream.read(&mut head[read..]).await {
+        // The whole answer is small (`Connection: close` ends it): read at most 4 KiB of it.
+        let mut answer = Vec::new();
+        let mut buf = [0u8; 1024];
+        while answer.len() < 4096 {
+            match stream.read(&mut buf).await {
                 Ok(0) => break,
-                Ok(n) => read += n,
+                Ok(n) => answer.extend_from_slice(&buf[..n]),
                 Err(error) => return Err(error.to_string()),
             }
         }
+        let text = String::from_utf8_lossy(&answer);
         // "HTTP/1.1 204 ...": the status is the second word.
-        std::str::from_utf8(&head[..read])
-            .ok()
-            .and_then(|text| text.split(' ').nth(1))
+        let status: u16 = text
+            .split(' ')
+            .nth(1)
             .and_then(|status| status.parse().ok())
-            .ok_or_else(|| "no status line".to_string())
+            .ok_or_else(|| "no status line".to_string())?;
+        Ok(if status == 404 && text.contains("\"fleet_disabled\"") {
+            Answer::FleetDisabled
+        } else {
+            Answer::Status(status)
+        })
     };
     tokio::time::timeout(Duration::from_secs(10), exchange)
         .await

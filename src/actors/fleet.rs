@@ -1,24 +1,26 @@
 //! `Fleet`: this pod's part of the fleet API (docs/fleet.md).
 //!
-//! Owns: the fleet store, the presence writes waiting for the next flush, this pod's view of the
-//! whole fleet (which device is online on which instance, and what the fleet event stream last
-//! said of it), the instances heard from, recent connects announced by other pods, and the
+//! Owns: the fleet store; the presence writes and announcements waiting for the next flush; the
+//! streams of this pod (device → connection, its progress); this pod's view of the whole fleet
+//! (which device is online on which instance, and what the fleet event stream last said of it);
+//! the instances heard from; connects other pods announced within [`RACE_WINDOW`]; the
 //! subscribers of `GET /v1/fleet/events`.
-//! Receives: [`SessionChanges`] from the Router (one message per batch of joins and leaves);
-//! the channel's [`FleetMessage`]s from every pod, this one included; [`SubscribeEvents`] from the
-//! HTTP edge; [`Farewell`] from Shutdown once the drain is over.
+//! Receives: [`SessionChanges`] from the Router (one message per batch of joins and leaves); the
+//! channel's [`FleetMessage`]s from every pod, this one included; [`SubscribeEvents`] from the
+//! HTTP edge; [`Farewell`] from the hub once the HTTP server has stopped.
 //! Sends: presence writes and announcements to the store, in batches every [`FLUSH_EVERY`]
 //! (never one round trip per connection: a reconnect storm of 10,000 devices is a few dozen
-//! writes); [`CloseOlder`] to the Router when another pod announces a newer stream of a device
-//! that may be connected here (takeover); framed events into each subscriber's bounded channel.
+//! writes); [`CloseOlder`] to the Router when another pod announces a stream of a device that
+//! has one here (takeover); framed events into each subscriber's bounded channel.
 //! When full: a fleet event subscriber whose channel is full is dropped (its stream ends; it
-//! reconnects). Writes that fail are kept and retried with the next flush, up to
-//! [`MAX_PENDING`]; beyond that the oldest are dropped and counted.
-//! Draining: nothing changes until Shutdown sends [`Farewell`]: the last writes are flushed and
-//! the instance says it stops, so its devices show offline at once instead of after `ttl`.
+//! reconnects). While a flush is in flight, or the store fails, writes wait (progress samples
+//! of one session coalesce), at most [`MAX_PENDING`]; beyond that the oldest are dropped and
+//! logged. A flush that takes longer than [`FLUSH_TIMEOUT`] counts as failed.
+//! Draining: nothing changes until [`Farewell`]: the last writes are flushed and the instance
+//! says it stops, so its devices show offline at once instead of after `presence.ttl`.
 
 use std::{
-    collections::{HashMap, VecDeque},
+    collections::{HashMap, HashSet, VecDeque},
     sync::Arc,
     time::{Duration, Instant},
 };
@@ -28,26 +30,34 @@ use bytes::Bytes;
 use futures_util::FutureExt;
 use tokio::sync::mpsc;
 
-use super::router::{CloseOlder, Router, SampleProgress};
+use super::router::CloseOlder;
 use crate::{
-    backend::fleet::{FleetMessage, FleetStore, PresenceWrite, Session, SessionRef},
+    backend::{
+        fleet::{
+            replaces, FleetMessage, FleetStore, OnlineFilter, PresenceWrite, Session, SessionRef,
+            RACE_WINDOW,
+        },
+        BackendError,
+    },
     config::PresenceConfig,
     metrics::Metrics,
     model::{shard_of, unix_ms, Cursor, DeviceId},
-    stream::Peer,
+    report::Report,
+    stream::{Peer, Progress},
 };
 
 /// How often collected presence writes and announcements go to the store.
 const FLUSH_EVERY: Duration = Duration::from_millis(100);
-/// Writes kept while the store is unreachable.
+/// A flush not done by then has failed (its writes are kept for the next).
+const FLUSH_TIMEOUT: Duration = Duration::from_secs(5);
+/// Writes kept while a flush is in flight or the store is unreachable.
 const MAX_PENDING: usize = 200_000;
-/// How often due debounce decisions and dead instances are looked at.
+/// How often due debounce decisions and silent instances are looked at.
 const EVALUATE_EVERY: Duration = Duration::from_millis(250);
 /// How often the last sent id of open streams is written.
 const PROGRESS_EVERY: Duration = Duration::from_secs(5);
-/// How long a connect announced by another pod is remembered, for a local stream that joins
-/// after the announcement arrived (the double-connect race).
-const RACE_WINDOW: Duration = Duration::from_secs(10);
+/// An instance silent this many `presence.ttl`s is forgotten with the devices it held.
+const FORGET_AFTER_TTLS: u32 = 20;
 /// Frames a fleet event subscriber may fall behind by.
 const SUBSCRIBER_QUEUE: usize = 4096;
 /// A comment to every fleet event subscriber this often, so proxies keep the stream open.
@@ -60,6 +70,7 @@ pub enum SessionChange {
         connection_id: u64,
         opened_ms: u64,
         peer: Peer,
+        progress: Progress,
     },
     Closed {
         device: DeviceId,
@@ -78,16 +89,22 @@ pub struct SessionChanges(pub Vec<SessionChange>);
 #[rtype(result = "mpsc::Receiver<Bytes>")]
 pub struct SubscribeEvents;
 
-/// From Shutdown after the drain: flush, then tell the fleet this instance is gone.
+/// At exit: flush, then tell the fleet this instance is gone.
 #[derive(Message)]
 #[rtype(result = "()")]
 pub struct Farewell;
 
+/// A stream of this pod.
+struct Local {
+    connection_id: u64,
+    progress: Progress,
+    /// The progress counter when last written.
+    written: u64,
+}
+
 /// One device in this pod's view of the fleet.
 struct Seen {
-    pod: String,
-    instance: String,
-    session: u64,
+    session: Session,
     /// Its session has not ended (its instance may still be dead).
     open: bool,
     /// What the fleet event stream last said: online or not.
@@ -96,35 +113,43 @@ struct Seen {
 
 struct InstanceSeen {
     last_heard: Instant,
-    stopped: bool,
+    /// It said it stops: its devices are offline at once.
+    said_goodbye: bool,
+    /// It fell silent for `presence.ttl` and its devices were queued for evaluation.
+    silent: bool,
 }
 
 pub struct Fleet {
     store: Arc<dyn FleetStore>,
-    router: Addr<Router>,
+    router: Recipient<CloseOlder>,
     metrics: Arc<Metrics>,
     config: PresenceConfig,
     shards: u32,
     pod: String,
     instance: String,
+    /// Presence writes for the next flush, in order.
     pending_writes: Vec<PresenceWrite>,
+    /// Announcements for the next flush, in order.
     pending_messages: Vec<FleetMessage>,
     flushing: bool,
-    /// Sessions of this pod still open, per device: for progress and the goodbye of a session.
+    local: HashMap<DeviceId, Local>,
+    /// The fleet as this pod hears it.
     view: HashMap<DeviceId, Seen>,
     instances: HashMap<String, InstanceSeen>,
-    /// Devices whose state changed, with when their debounce ends.
+    /// Devices whose state changed, with when their debounce ends (in order of that time).
     due: VecDeque<(Instant, DeviceId)>,
     /// Newest connect announced by another pod per device, and when it arrived.
-    remote_connects: HashMap<DeviceId, ((u64, String, u64), Instant)>,
+    remote_connects: HashMap<DeviceId, (Session, Instant)>,
+    /// While the devices online at start-up are loading: those heard of meanwhile, whose news
+    /// is newer than the load's.
+    loading: Option<HashSet<DeviceId>>,
     subscribers: Vec<mpsc::Sender<Bytes>>,
 }
 
 impl Fleet {
-    #[allow(clippy::too_many_arguments)]
     pub fn new(
         store: Arc<dyn FleetStore>,
-        router: Addr<Router>,
+        router: Recipient<CloseOlder>,
         metrics: Arc<Metrics>,
         config: PresenceConfig,
         shards: u32,
@@ -141,10 +166,12 @@ impl Fleet {
             pending_writes: Vec::new(),
             pending_messages: Vec::new(),
             flushing: false,
+            local: HashMap::new(),
             view: HashMap::new(),
             instances: HashMap::new(),
             due: VecDeque::new(),
             remote_connects: HashMap::new(),
+            loading: None,
             subscribers: Vec::new(),
         }
     }
@@ -157,13 +184,14 @@ impl Fleet {
         }
     }
 
-    fn local(&mut self, change: SessionChange) {
+    fn local_change(&mut self, change: SessionChange) {
         match change {
             SessionChange::Opened {
                 device,
                 connection_id,
                 opened_ms,
                 peer,
+                progress,
             } => {
                 let session = Session {
                     device: device.clone(),
@@ -174,17 +202,30 @@ impl Fleet {
                     remote: peer.remote,
                     user_agent: peer.user_agent,
                 };
-                // Another pod announced a newer stream before ours joined: ours is the older.
-                if let Some(((at, instance, session_id), heard)) =
-                    self.remote_connects.get(&device).cloned()
-                {
-                    if heard.elapsed() < RACE_WINDOW {
-                        self.close_older(&device, at, instance, session_id);
+                // Another pod announced a stream opened at nearly the same time, before ours
+                // joined: the race is decided by rank, as that pod decides it.
+                if let Some((remote, heard)) = self.remote_connects.get(&device) {
+                    let race =
+                        remote.connected_ms.abs_diff(opened_ms) < RACE_WINDOW.as_millis() as u64;
+                    if race && heard.elapsed() < RACE_WINDOW {
+                        self.close_older(remote);
                     }
                 }
+                self.local.insert(
+                    device,
+                    Local {
+                        connection_id,
+                        progress,
+                        written: 0,
+                    },
+                );
                 self.pending_writes
                     .push(PresenceWrite::Online(session.clone()));
-                self.pending_messages.push(FleetMessage::Connected(session));
+                self.pending_messages
+                    .push(FleetMessage::Connected(session.clone()));
+                // Heard at once, not only through the channel: the view stays right when the
+                // announcement is lost.
+                self.heard(FleetMessage::Connected(session));
             }
             SessionChange::Closed {
                 device,
@@ -192,70 +233,87 @@ impl Fleet {
                 at_ms,
                 last_sent,
             } => {
+                if self
+                    .local
+                    .get(&device)
+                    .is_some_and(|local| local.connection_id == connection_id)
+                {
+                    self.local.remove(&device);
+                }
                 let session = self.session_ref(device, connection_id);
                 self.pending_writes.push(PresenceWrite::Offline {
                     session: session.clone(),
                     at_ms,
                     last_sent,
                 });
-                self.pending_messages
-                    .push(FleetMessage::Disconnected { session, at_ms });
+                let message = FleetMessage::Disconnected { session, at_ms };
+                self.pending_messages.push(message.clone());
+                self.heard(message);
             }
         }
     }
 
-    fn close_older(&self, device: &DeviceId, at: u64, instance: String, session: u64) {
+    fn close_older(&self, newer: &Session) {
         self.router.do_send(CloseOlder {
-            shard: shard_of(device.as_str(), self.shards),
-            device: device.clone(),
-            opened_ms: at,
-            instance,
-            session,
+            shard: shard_of(newer.device.as_str(), self.shards),
+            device: newer.device.clone(),
+            opened_ms: newer.connected_ms,
+            instance: newer.instance.clone(),
+            session: newer.session,
         });
     }
 
-    /// A message of the channel (from any pod, this one included).
+    /// A message of the channel (from any pod, this one included), or a change of this pod.
     fn heard(&mut self, message: FleetMessage) {
         let now = Instant::now();
         match message {
             FleetMessage::Connected(session) => {
+                self.hear_of_instance(&session.instance, now);
+                if let Some(loading) = &mut self.loading {
+                    loading.insert(session.device.clone());
+                }
                 if session.instance != self.instance {
-                    let tuple = (
-                        session.connected_ms,
-                        session.instance.clone(),
-                        session.session,
-                    );
-                    self.close_older(&session.device, tuple.0, tuple.1.clone(), tuple.2);
+                    if self.local.contains_key(&session.device) {
+                        self.close_older(&session);
+                    }
                     let newer = self
                         .remote_connects
                         .get(&session.device)
-                        .is_none_or(|(known, _)| *known < tuple);
+                        .is_none_or(|(known, _)| known.rank() < session.rank());
                     if newer {
                         self.remote_connects
-                            .insert(session.device.clone(), (tuple, now));
+                            .insert(session.device.clone(), (session.clone(), now));
                     }
                 }
-                self.hear_of_instance(&session.instance, now);
-                let reported = self
-                    .view
-                    .get(&session.device)
-                    .is_some_and(|seen| seen.reported);
-                self.view.insert(
-                    session.device.clone(),
-                    Seen {
-                        pod: session.pod,
-                        instance: session.instance,
-                        session: session.session,
-                        open: true,
-                        reported,
-                    },
-                );
-                self.due
-                    .push_back((now + self.config.debounce, session.device));
+                let device = session.device.clone();
+                match self.view.get_mut(&device) {
+                    Some(seen) if !replaces(&session, &seen.session, seen.open) => return,
+                    Some(seen) => {
+                        seen.session = session;
+                        seen.open = true;
+                    }
+                    None => {
+                        self.view.insert(
+                            device.clone(),
+                            Seen {
+                                session,
+                                open: true,
+                                reported: false,
+                            },
+                        );
+                    }
+                }
+                self.due.push_back((now + self.config.debounce, device));
             }
             FleetMessage::Disconnected { session, .. } => {
+                if let Some(loading) = &mut self.loading {
+                    loading.insert(session.device.clone());
+                }
                 if let Some(seen) = self.view.get_mut(&session.device) {
-                    if seen.instance == session.instance && seen.session == session.session {
+                    if seen.session.instance == session.instance
+                        && seen.session.session == session.session
+                        && seen.open
+                    {
                         seen.open = false;
                         self.due
                             .push_back((now + self.config.debounce, session.device));
@@ -268,17 +326,9 @@ impl Fleet {
                 self.hear_of_instance(&instance, now);
                 if stopping {
                     if let Some(known) = self.instances.get_mut(&instance) {
-                        known.stopped = true;
+                        known.said_goodbye = true;
                     }
-                    let gone: Vec<DeviceId> = self
-                        .view
-                        .iter()
-                        .filter(|(_, seen)| seen.instance == instance)
-                        .map(|(device, _)| device.clone())
-                        .collect();
-                    for device in gone {
-                        self.due.push_back((now + self.config.debounce, device));
-                    }
+                    self.queue_devices_of(&instance, now + self.config.debounce);
                 }
             }
         }
@@ -290,14 +340,32 @@ impl Fleet {
             .entry(instance.to_owned())
             .or_insert(InstanceSeen {
                 last_heard: now,
-                stopped: false,
+                said_goodbye: false,
+                silent: false,
             });
         known.last_heard = now;
+        if known.silent {
+            // Back after an outage of its link: its devices may be online again.
+            known.silent = false;
+            self.queue_devices_of(instance, now);
+        }
+    }
+
+    fn queue_devices_of(&mut self, instance: &str, at: Instant) {
+        let devices: Vec<DeviceId> = self
+            .view
+            .iter()
+            .filter(|(_, seen)| seen.session.instance == instance)
+            .map(|(device, _)| device.clone())
+            .collect();
+        for device in devices {
+            self.due.push_back((at, device));
+        }
     }
 
     fn alive(&self, instance: &str, now: Instant) -> bool {
         self.instances.get(instance).is_some_and(|known| {
-            !known.stopped && now.duration_since(known.last_heard) < self.config.ttl
+            !known.said_goodbye && now.duration_since(known.last_heard) < self.config.ttl
         })
     }
 
@@ -305,46 +373,38 @@ impl Fleet {
     fn evaluate(&mut self) {
         let now = Instant::now();
         let ttl = self.config.ttl;
-        let silent: Vec<String> = self
-            .instances
-            .iter_mut()
-            .filter(|(_, known)| !known.stopped && now.duration_since(known.last_heard) >= ttl)
-            .map(|(instance, known)| {
-                // Reported once: from now on its devices count as offline.
-                known.stopped = true;
-                instance.clone()
-            })
-            .collect();
-        if !silent.is_empty() {
+        let mut fell_silent = Vec::new();
+        let mut forgotten = Vec::new();
+        for (instance, known) in &mut self.instances {
+            let silence = now.duration_since(known.last_heard);
+            if silence >= ttl * FORGET_AFTER_TTLS {
+                forgotten.push(instance.clone());
+            } else if silence >= ttl && !known.silent {
+                known.silent = true;
+                fell_silent.push(instance.clone());
+            }
+        }
+        for instance in &fell_silent {
+            // It died without a goodbye: its devices went offline when it fell silent, so they
+            // are decided now, ahead of the debounce queue's order.
             let devices: Vec<DeviceId> = self
                 .view
                 .iter()
-                .filter(|(_, seen)| silent.contains(&seen.instance))
+                .filter(|(_, seen)| &seen.session.instance == instance)
                 .map(|(device, _)| device.clone())
                 .collect();
             for device in devices {
-                // Its pod died without a goodbye: it went offline when the pod fell silent.
-                self.due.push_back((now, device));
+                self.decide(&device, now);
             }
+        }
+        for instance in forgotten {
+            self.instances.remove(&instance);
+            self.view
+                .retain(|_, seen| seen.session.instance != instance || seen.reported);
         }
         while self.due.front().is_some_and(|(at, _)| *at <= now) {
             let (_, device) = self.due.pop_front().expect("checked");
-            let Some(seen) = self.view.get(&device) else {
-                continue;
-            };
-            let online = seen.open && self.alive(&seen.instance, now);
-            if online == seen.reported {
-                continue;
-            }
-            let frame = event_frame(online, &device, &seen.pod);
-            if let Some(seen) = self.view.get_mut(&device) {
-                seen.reported = online;
-                if !online {
-                    // Keeps the view bounded by the devices online (and those in their debounce).
-                    self.view.remove(&device);
-                }
-            }
-            self.publish(frame);
+            self.decide(&device, now);
         }
         self.metrics
             .fleet_devices_online
@@ -353,12 +413,80 @@ impl Fleet {
             .retain(|_, (_, heard)| heard.elapsed() < RACE_WINDOW);
     }
 
+    /// Reports `device`'s state if it differs from what was last reported.
+    fn decide(&mut self, device: &DeviceId, now: Instant) {
+        let Some(seen) = self.view.get(device) else {
+            return;
+        };
+        let online = seen.open && self.alive(&seen.session.instance, now);
+        let open = seen.open;
+        if online != seen.reported {
+            let frame = event_frame(online, device, &seen.session.pod);
+            self.publish(frame);
+        }
+        // An ended session is forgotten once decided: the view holds the devices online and
+        // those in their debounce. A device of a silent instance stays, in case it comes back.
+        if !online && !open {
+            self.view.remove(device);
+        } else if let Some(seen) = self.view.get_mut(device) {
+            seen.reported = online;
+        }
+    }
+
     fn publish(&mut self, frame: Bytes) {
         self.subscribers
             .retain(|subscriber| subscriber.try_send(frame.clone()).is_ok());
     }
 
+    /// Queues the last sent id of every local stream that wrote since its last sample.
+    fn sample_progress(&mut self) {
+        let instance = &self.instance;
+        for (device, local) in &mut self.local {
+            let (last_sent, changes) = local.progress.last_sent();
+            if changes == local.written {
+                continue;
+            }
+            local.written = changes;
+            let Some(last_sent) = last_sent else {
+                continue;
+            };
+            let session = SessionRef {
+                device: device.clone(),
+                instance: instance.clone(),
+                session: local.connection_id,
+            };
+            self.pending_writes
+                .push(PresenceWrite::Sent { session, last_sent });
+        }
+    }
+
+    /// Keeps the pending writes within [`MAX_PENDING`]: progress samples superseded by a later
+    /// one of their session go first, then the oldest writes.
+    fn bound_pending(&mut self) {
+        if self.pending_writes.len() <= MAX_PENDING {
+            return;
+        }
+        let mut newest_sample: HashSet<SessionRef> = HashSet::new();
+        let mut kept: Vec<PresenceWrite> = Vec::with_capacity(self.pending_writes.len());
+        for write in std::mem::take(&mut self.pending_writes).into_iter().rev() {
+            if let PresenceWrite::Sent { session, .. } = &write {
+                if !newest_sample.insert(session.clone()) {
+                    continue;
+                }
+            }
+            kept.push(write);
+        }
+        kept.reverse();
+        let excess = kept.len().saturating_sub(MAX_PENDING);
+        if excess > 0 {
+            log::warn!("presence: {excess} writes dropped: the backend does not keep up");
+            kept.drain(..excess);
+        }
+        self.pending_writes = kept;
+    }
+
     fn flush(&mut self, ctx: &mut Context<Self>) {
+        self.bound_pending();
         if self.flushing || (self.pending_writes.is_empty() && self.pending_messages.is_empty()) {
             return;
         }
@@ -367,16 +495,27 @@ impl Fleet {
         let messages = std::mem::take(&mut self.pending_messages);
         let store = self.store.clone();
         let work = async move {
-            let written = if writes.is_empty() {
-                Ok(())
-            } else {
-                store.write(writes.clone()).await
+            let write = async {
+                if writes.is_empty() {
+                    return Ok(());
+                }
+                match tokio::time::timeout(FLUSH_TIMEOUT, store.write(writes.clone())).await {
+                    Ok(written) => written,
+                    Err(_) => Err(BackendError::unavailable("presence writes timed out")),
+                }
             };
-            let announced = if messages.is_empty() {
-                Ok(())
-            } else {
-                store.announce(messages).await
+            // Announced at the same time as the writes, not after them: takeovers on other
+            // pods wait for the announcement only.
+            let announce = async {
+                if messages.is_empty() {
+                    return Ok(());
+                }
+                match tokio::time::timeout(FLUSH_TIMEOUT, store.announce(messages)).await {
+                    Ok(announced) => announced,
+                    Err(_) => Err(BackendError::unavailable("announcements timed out")),
+                }
             };
+            let (written, announced) = futures_util::join!(write, announce);
             (writes, written, announced)
         };
         ctx.spawn(
@@ -387,27 +526,22 @@ impl Fleet {
                         log::warn!(
                             "presence: {} writes failed, kept for the next flush: {}",
                             writes.len(),
-                            crate::report::Report(&error)
+                            Report(&error)
                         );
                         let mut kept = writes;
                         kept.append(&mut fleet.pending_writes);
-                        let excess = kept.len().saturating_sub(MAX_PENDING);
-                        kept.drain(..excess);
                         fleet.pending_writes = kept;
                     }
                     if let Err(error) = announced {
-                        // Other pods miss these connects: their takeover and events fall back on
-                        // liveness (ttl).
-                        log::warn!(
-                            "presence: announcements lost: {}",
-                            crate::report::Report(&error)
-                        );
+                        // Other pods miss these connects: their takeover and events fall back
+                        // on liveness (ttl).
+                        log::warn!("presence: announcements lost: {}", Report(&error));
                     }
                 }),
         );
     }
 
-    fn beat(&mut self, stopping: bool) -> impl std::future::Future<Output = ()> + 'static {
+    fn beat(&self, stopping: bool) -> impl std::future::Future<Output = ()> + 'static {
         let store = self.store.clone();
         let (pod, instance) = (self.pod.clone(), self.instance.clone());
         let message = FleetMessage::Alive {
@@ -418,13 +552,10 @@ impl Fleet {
         };
         async move {
             if let Err(error) = store.beat(&pod, &instance, stopping).await {
-                log::warn!("presence: beat failed: {}", crate::report::Report(&error));
+                log::warn!("presence: beat failed: {}", Report(&error));
             }
             if let Err(error) = store.announce(vec![message]).await {
-                log::warn!(
-                    "presence: beat not announced: {}",
-                    crate::report::Report(&error)
-                );
+                log::warn!("presence: beat not announced: {}", Report(&error));
             }
         }
     }
@@ -432,14 +563,17 @@ impl Fleet {
     fn subscribe(&mut self, ctx: &mut Context<Self>) {
         let store = self.store.clone();
         ctx.spawn(async move { store.subscribe().await }.into_actor(self).map(
-            |subscribed, _, ctx| match subscribed {
+            |subscribed, fleet, ctx| match subscribed {
                 Ok(messages) => {
                     ctx.add_stream(messages);
+                    // What was announced before (at start) or while away (after an outage) is
+                    // not on the channel: take the devices online from the store.
+                    fleet.load_online(ctx);
                 }
                 Err(error) => {
                     log::warn!(
                         "fleet channel: cannot subscribe, retrying in 2s: {}",
-                        crate::report::Report(&error)
+                        Report(&error)
                     );
                     ctx.run_later(Duration::from_secs(2), |fleet, ctx| fleet.subscribe(ctx));
                 }
@@ -447,19 +581,18 @@ impl Fleet {
         ));
     }
 
-    /// Devices online when this pod starts, so that their going offline is reported too.
+    /// Brings the view in line with the devices the store says are online: adds those not
+    /// known, ends those it no longer lists (a goodbye lost with the channel), except devices
+    /// heard of while the list was read, whose news is newer.
     fn load_online(&mut self, ctx: &mut Context<Self>) {
+        self.loading = Some(HashSet::new());
         let store = self.store.clone();
         let work = async move {
             let mut online = Vec::new();
             let mut cursor: Option<String> = None;
             loop {
                 let page = store
-                    .list(
-                        crate::backend::fleet::OnlineFilter::Online,
-                        1000,
-                        cursor.as_deref(),
-                    )
+                    .list(OnlineFilter::Online, 1000, cursor.as_deref())
                     .await?;
                 online.extend(page.devices);
                 match page.next {
@@ -467,26 +600,66 @@ impl Fleet {
                     None => break,
                 }
             }
-            Ok::<_, crate::backend::BackendError>(online)
+            Ok::<_, BackendError>(online)
         };
-        ctx.spawn(work.into_actor(self).map(|loaded, fleet, _| match loaded {
-            Ok(devices) => {
-                let now = Instant::now();
-                for record in devices {
-                    fleet.hear_of_instance(&record.instance, now);
-                    fleet.view.entry(record.device).or_insert(Seen {
-                        pod: record.pod,
-                        instance: record.instance,
-                        session: record.session,
+        ctx.spawn(work.into_actor(self).map(|loaded, fleet, _| {
+            let heard = fleet.loading.take().unwrap_or_default();
+            let records = match loaded {
+                Ok(records) => records,
+                Err(error) => {
+                    log::warn!(
+                        "presence: cannot load the devices online: {}",
+                        Report(&error)
+                    );
+                    return;
+                }
+            };
+            let now = Instant::now();
+            let listed: HashSet<DeviceId> =
+                records.iter().map(|record| record.device.clone()).collect();
+            for record in records {
+                if heard.contains(&record.device) {
+                    continue;
+                }
+                fleet.hear_of_instance(&record.instance, now);
+                let session = Session {
+                    device: record.device.clone(),
+                    pod: record.pod,
+                    instance: record.instance,
+                    session: record.session,
+                    connected_ms: record.connected_ms,
+                    remote: record.remote,
+                    user_agent: record.user_agent,
+                };
+                fleet
+                    .view
+                    .entry(record.device.clone())
+                    .and_modify(|seen| {
+                        seen.session = session.clone();
+                        seen.open = true;
+                    })
+                    .or_insert(Seen {
+                        session,
                         open: true,
+                        // Online before this pod heard of it: nothing to report.
                         reported: true,
                     });
-                }
+                fleet.due.push_back((now, record.device));
             }
-            Err(error) => log::warn!(
-                "presence: cannot load the devices online: {}",
-                crate::report::Report(&error)
-            ),
+            let ended: Vec<DeviceId> = fleet
+                .view
+                .iter()
+                .filter(|(device, seen)| {
+                    seen.open && !listed.contains(*device) && !heard.contains(*device)
+                })
+                .map(|(device, _)| device.clone())
+                .collect();
+            for device in ended {
+                if let Some(seen) = fleet.view.get_mut(&device) {
+                    seen.open = false;
+                }
+                fleet.due.push_back((now, device));
+            }
         }));
     }
 }
@@ -511,7 +684,6 @@ impl Actor for Fleet {
 
     fn started(&mut self, ctx: &mut Context<Self>) {
         self.subscribe(ctx);
-        self.load_online(ctx);
         ctx.spawn(self.beat(false).into_actor(self));
         ctx.run_interval(self.config.ttl / 3, |fleet, ctx| {
             ctx.spawn(fleet.beat(false).into_actor(fleet));
@@ -521,17 +693,7 @@ impl Actor for Fleet {
         ctx.run_interval(SUBSCRIBER_PING, |fleet, _| {
             fleet.publish(crate::sse::frame::PING);
         });
-        ctx.run_interval(PROGRESS_EVERY, |fleet, ctx| {
-            let sample = fleet.router.send(SampleProgress);
-            ctx.spawn(sample.into_actor(fleet).map(|sampled, fleet, _| {
-                for (device, connection_id, last_sent) in sampled.unwrap_or_default() {
-                    let session = fleet.session_ref(device, connection_id);
-                    fleet
-                        .pending_writes
-                        .push(PresenceWrite::Sent { session, last_sent });
-                }
-            }));
-        });
+        ctx.run_interval(PROGRESS_EVERY, |fleet, _| fleet.sample_progress());
     }
 }
 
@@ -540,7 +702,7 @@ impl Handler<SessionChanges> for Fleet {
 
     fn handle(&mut self, SessionChanges(changes): SessionChanges, _: &mut Context<Self>) {
         for change in changes {
-            self.local(change);
+            self.local_change(change);
         }
     }
 }
@@ -580,10 +742,7 @@ impl Handler<Farewell> for Fleet {
             async move {
                 if !writes.is_empty() {
                     if let Err(error) = store.write(writes).await {
-                        log::warn!(
-                            "presence: last writes failed: {}",
-                            crate::report::Report(&error)
-                        );
+                        log::warn!("presence: last writes failed: {}", Report(&error));
                     }
                 }
                 if !messages.is_empty() {

@@ -32,8 +32,9 @@ use super::{
     rotation::{Member, Rotation},
 };
 use crate::{
+    backend::fleet::RACE_WINDOW,
     metrics::{Metrics, RouteResult},
-    model::{CloseReason, Cursor, DeviceId, EpochId, Position, ResyncReason, Target},
+    model::{CloseReason, DeviceId, EpochId, Position, ResyncReason, Target},
     sse::QueueItem,
     stream::{Change, Close, DrainTarget, Membership, Register, Route, TrySendError, Unregister},
 };
@@ -79,9 +80,10 @@ pub struct AttachFleet {
     pub instance: String,
 }
 
-/// Another pod announced a stream of `device` opened at `opened_ms`: a stream of it here that
-/// is older closes (`takeover`). Older means a smaller `(opened_ms, instance, session)`, so that
-/// of two streams opened at once on two pods exactly one survives.
+/// Another pod announced a stream of `device` opened at `opened_ms`: the stream of it here
+/// closes (`takeover`) unless both opened within [`RACE_WINDOW`] of each other and ours ranks
+/// higher by `(opened_ms, instance, session)`: every pod compares the same two triples, so of two
+/// streams opened at once on two pods exactly one survives.
 #[derive(Message)]
 #[rtype(result = "()")]
 pub struct CloseOlder {
@@ -91,11 +93,6 @@ pub struct CloseOlder {
     pub instance: String,
     pub session: u64,
 }
-
-/// The last sent id of every stream that wrote something since the previous sample.
-#[derive(Message)]
-#[rtype(result = "Vec<(DeviceId, u64, Cursor)>")]
-pub struct SampleProgress;
 
 /// Control handles of every connection, in registration order (for a drain).
 #[derive(Message)]
@@ -115,8 +112,6 @@ pub struct Router {
     metrics: Arc<Metrics>,
     /// Where joins and leaves go for presence, and this pod's instance.
     fleet: Option<AttachFleet>,
-    /// Per connection: the progress counter at the last sample.
-    sampled: HashMap<u64, u64>,
 }
 
 impl Router {
@@ -136,7 +131,6 @@ impl Router {
             stall_slices_per_tick,
             metrics,
             fleet: None,
-            sampled: HashMap::new(),
         }
     }
 
@@ -336,6 +330,7 @@ impl Handler<Membership> for Router {
                             connection_id: register.route.connection_id,
                             opened_ms: register.route.opened_ms,
                             peer: register.peer.clone(),
+                            progress: register.route.progress.clone(),
                         });
                     }
                     self.join(register);
@@ -349,7 +344,6 @@ impl Handler<Membership> for Router {
                             last_sent: unregister.last_sent.clone(),
                         });
                     }
-                    self.sampled.remove(&unregister.connection_id);
                     self.leave(unregister);
                 }
             }
@@ -378,8 +372,9 @@ impl Handler<CloseOlder> for Router {
         let Some(route) = self.shards[newer.shard as usize].get(&newer.device) else {
             return;
         };
+        let race = route.opened_ms.abs_diff(newer.opened_ms) < RACE_WINDOW.as_millis() as u64;
         let ours = (route.opened_ms, instance, route.connection_id);
-        if ours < (newer.opened_ms, newer.instance.as_str(), newer.session) {
+        if !race || ours < (newer.opened_ms, newer.instance.as_str(), newer.session) {
             if let Some(route) = self.remove(newer.shard, &newer.device) {
                 route
                     .control
@@ -387,25 +382,6 @@ impl Handler<CloseOlder> for Router {
                     .do_send(Close::now(CloseReason::Takeover));
             }
         }
-    }
-}
-
-impl Handler<SampleProgress> for Router {
-    type Result = MessageResult<SampleProgress>;
-
-    fn handle(&mut self, _: SampleProgress, _: &mut Context<Self>) -> Self::Result {
-        let mut news = Vec::new();
-        for (device, route) in self.shards.iter().flat_map(HashMap::iter) {
-            let (last_sent, changes) = route.progress.last_sent();
-            let sampled = self.sampled.entry(route.connection_id).or_insert(0);
-            if changes != *sampled {
-                *sampled = changes;
-                if let Some(cursor) = last_sent {
-                    news.push((device.clone(), route.connection_id, cursor));
-                }
-            }
-        }
-        MessageResult(news)
     }
 }
 

@@ -174,15 +174,34 @@ pub async fn ack(
         message: format!("{:?} is not an event id of this hub", ack.id),
     })?;
     let shard = shard_of(device.as_str(), state.backend.shards());
+    let not_ours = |why: &str| ApiError::InvalidField {
+        index: None,
+        field: "id",
+        message: format!(
+            "{} is not an id of device {device}'s stream (shard {shard}): {why}",
+            ack.id
+        ),
+    };
     if cursor.shard != shard {
-        return Err(ApiError::InvalidField {
-            index: None,
-            field: "id",
-            message: format!(
-                "{} is not an id of device {device}'s stream (shard {shard})",
-                ack.id
-            ),
-        });
+        return Err(not_ours("another shard"));
+    }
+    // An ack in the life of the stream the stored one is in moves forward or not at all (the
+    // store compares). One in another life replaces the stored ack, so it must be of the
+    // stream's current life and not beyond its head: a late ack of an ended life, or an
+    // invented id, must not move the ack.
+    let stored = fleet.store.device(&device).await?;
+    let same_life = stored
+        .as_ref()
+        .and_then(|record| record.acked.as_ref())
+        .is_some_and(|acked| acked.epoch == cursor.epoch);
+    if !same_life {
+        let current = state.backend.shard_state(shard, None).await?;
+        if current.epoch != cursor.epoch {
+            return Err(not_ours("not of its current life"));
+        }
+        if cursor.position > current.head {
+            return Err(not_ours("beyond its newest event"));
+        }
     }
     let outcome = fleet.store.ack(&device, &cursor, unix_ms()).await?;
     state
@@ -206,9 +225,12 @@ pub async fn unacknowledged(
     let event_text = query
         .event
         .ok_or_else(|| ApiError::InvalidRequest("event (an event id) is required".into()))?;
-    let event = Cursor::parse(&event_text).map_err(|_| {
-        ApiError::InvalidRequest(format!("{event_text:?} is not an event id of this hub"))
-    })?;
+    let event = Cursor::parse(&event_text)
+        .ok()
+        .filter(|event| event.shard < state.backend.shards())
+        .ok_or_else(|| {
+            ApiError::InvalidRequest(format!("{event_text:?} is not an event id of this hub"))
+        })?;
     let limit = parse_limit(query.limit.as_deref())?;
     let not_found = || {
         ApiError::EventNotFound(format!(

@@ -67,6 +67,13 @@ impl fmt::Debug for DeviceId {
     }
 }
 
+/// Ordered as its text, so maps keyed by device id can be searched by text.
+impl std::borrow::Borrow<str> for DeviceId {
+    fn borrow(&self) -> &str {
+        &self.0
+    }
+}
+
 /// As its text; a text that is not a valid device id does not deserialize.
 impl serde::Serialize for DeviceId {
     fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {

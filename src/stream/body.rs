@@ -179,8 +179,13 @@ struct Chunk {
 }
 
 impl Chunk {
+    /// Bytes gathered so far (`rest`, once started, holds the first frame too).
     fn len(&self) -> usize {
-        self.first.as_ref().map_or(0, Bytes::len) + self.rest.as_ref().map_or(0, BytesMut::len)
+        match (&self.first, &self.rest) {
+            (_, Some(rest)) => rest.len(),
+            (Some(first), None) => first.len(),
+            (None, None) => 0,
+        }
     }
 
     fn is_empty(&self) -> bool {
@@ -231,7 +236,8 @@ impl MessageBody for SseBody {
         let (mut events, mut pings) = (0, 0);
         // Read once per chunk, for the delivery lag of the live events in it.
         let mut now_ms = None;
-        // The newest frame with an id in the chunk: the device's last sent id (presence).
+        // Where the newest frame with an id starts in the chunk: the device's last sent id
+        // (presence), read once the chunk is complete.
         let mut last_with_id = None;
         while !this.ended && chunk.len() < MAX_CHUNK {
             let Some((item, replaying)) = this.poll_item(cx) else {
@@ -246,7 +252,7 @@ impl MessageBody for SseBody {
                 } => {
                     if this.admit_event(epoch, position) {
                         events += 1;
-                        last_with_id = Some(frame.clone());
+                        last_with_id = Some(chunk.len());
                         chunk.push(frame);
                         if !replaying && appended_ms > 0 {
                             let now = *now_ms.get_or_insert_with(unix_ms);
@@ -264,7 +270,7 @@ impl MessageBody for SseBody {
                 } => {
                     if this.admit_resync(epoch, position, reason) {
                         this.metrics.resync(reason);
-                        last_with_id = Some(frame.clone());
+                        last_with_id = Some(chunk.len());
                         chunk.push(frame);
                     }
                 }
@@ -306,8 +312,8 @@ impl MessageBody for SseBody {
         match chunk.into_bytes() {
             Some(bytes) => {
                 this.control.wrote();
-                if let Some(frame) = last_with_id {
-                    this.control.sent(frame);
+                if let Some(at) = last_with_id {
+                    this.control.sent(&bytes[at..]);
                 }
                 Poll::Ready(Some(Ok(bytes)))
             }

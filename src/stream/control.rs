@@ -14,7 +14,6 @@
 //! it closes the socket, and [`StreamControl::release`] (called from the body's `Drop`) takes the
 //! same lock as [`StreamControl::abort`], so an abort can never hit a reused file descriptor.
 
-use bytes::Bytes;
 use std::{
     os::fd::{BorrowedFd, RawFd},
     sync::{
@@ -40,10 +39,20 @@ pub struct StreamControl {
     /// When the body last handed bytes to the socket, in ms after `created`: a drain cuts off a
     /// client that stops taking what is left.
     written_ms: AtomicU64,
-    /// The last frame with an `id:` the body handed to the socket (a shared `Bytes`: storing
-    /// it costs a reference count per chunk), read back as the device's last sent id by
-    /// presence (docs/fleet.md), and the number of times it changed.
-    last_sent: Mutex<(Option<Bytes>, u64)>,
+    /// The id of the last event or resync the body handed to the socket, copied once per chunk
+    /// (never the frame itself: an idle stream must not pin its last payload), read by presence
+    /// (docs/fleet.md) with the number of times it changed.
+    last_sent: Mutex<LastSent>,
+}
+
+/// Longest id kept: real ones are under 90 bytes (`model/cursor.rs`).
+const MAX_ID: usize = 96;
+
+#[derive(Debug)]
+struct LastSent {
+    id: [u8; MAX_ID],
+    len: u8,
+    changes: u64,
 }
 
 impl StreamControl {
@@ -54,18 +63,30 @@ impl StreamControl {
             fd: Mutex::new(fd),
             aborted: AtomicBool::new(false),
             closing_retry_ms: AtomicU32::new(0),
-            last_sent: Mutex::new((None, 0)),
+            last_sent: Mutex::new(LastSent {
+                id: [0; MAX_ID],
+                len: 0,
+                changes: 0,
+            }),
         }
     }
 
-    /// The body handed `frame` (an event or a resync, which starts with `id:`) to the socket.
-    pub fn sent(&self, frame: Bytes) {
+    /// The body handed a frame with an `id:` line to the socket; `frame` starts with it.
+    pub fn sent(&self, frame: &[u8]) {
+        let Some(id) = frame
+            .strip_prefix(b"id: ")
+            .and_then(|rest| Some(&rest[..memchr::memchr(b'\n', rest)?]))
+            .filter(|id| id.len() <= MAX_ID)
+        else {
+            return;
+        };
         let mut last = self
             .last_sent
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
-        last.0 = Some(frame);
-        last.1 += 1;
+        last.id[..id.len()].copy_from_slice(id);
+        last.len = id.len() as u8;
+        last.changes += 1;
     }
 
     /// The id of the last event or resync written, and a counter that changes whenever it does.
@@ -74,12 +95,11 @@ impl StreamControl {
             .last_sent
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
-        let cursor = last.0.as_deref().and_then(|frame| {
-            let rest = frame.strip_prefix(b"id: ")?;
-            let end = memchr::memchr(b'\n', rest)?;
-            Cursor::parse(std::str::from_utf8(&rest[..end]).ok()?).ok()
-        });
-        (cursor, last.1)
+        let cursor = std::str::from_utf8(&last.id[..usize::from(last.len)])
+            .ok()
+            .filter(|id| !id.is_empty())
+            .and_then(|id| Cursor::parse(id).ok());
+        (cursor, last.changes)
     }
 
     /// The body handed bytes to the socket.
@@ -210,8 +230,8 @@ mod tests {
     fn the_last_sent_id_is_read_from_the_last_frame() {
         let control = StreamControl::new(None);
         assert_eq!(control.last_sent(), (None, 0));
-        control.sent(crate::sse::frame::event("e1.3.5-0", "message", "x"));
-        control.sent(crate::sse::frame::event("e1.3.7-1", "message", "y\nz"));
+        control.sent(&crate::sse::frame::event("e1.3.5-0", "message", "x"));
+        control.sent(&crate::sse::frame::event("e1.3.7-1", "message", "y\nz"));
         let (cursor, changes) = control.last_sent();
         assert_eq!(cursor.unwrap().to_string(), "e1.3.7-1");
         assert_eq!(changes, 2);

@@ -374,6 +374,22 @@ pub async fn acks_only_move_forward(env: &mut Env) {
         (bad.status, bad.json()["field"].as_str()),
         (400, Some("id"))
     );
+    // An id of another life of the stream (an ended one, or invented) would replace the ack:
+    // refused. So is one beyond the stream's newest event.
+    let shard = crate::env::shard("pos-7");
+    let invented = format!("zz0ther.{shard}.1-0");
+    assert_eq!(ack(&hub, "pos-7", &invented).await.status, 400);
+    let ahead = format!("{}.{shard}.99999999999999-0", crate::epoch_of(&ids[2]));
+    let fresh = crate::env::device_on_shard("fresh", shard);
+    assert_eq!(
+        ack(&hub, &fresh, &ahead).await.status,
+        400,
+        "a first ack beyond the head"
+    );
+    assert_eq!(
+        presence(&hub, "pos-7").await.unwrap()["acked_id"],
+        ids[2].as_str()
+    );
     // pos-7's id is not on the stream of a device of another shard.
     let other = crate::env::device_on_shard("ack", (crate::env::shard("pos-7") + 1) % 64);
     assert_eq!(ack(&hub, &other, &ids[2]).await.status, 400);
@@ -411,6 +427,94 @@ pub async fn acks_only_move_forward(env: &mut Env) {
             more.last().unwrap().as_str()
         );
     }
+}
+
+/// With jwt auth an ack needs the device's own token and the fleet reads need the `fleet` scope.
+pub async fn the_fleet_api_checks_tokens(env: &mut Env) {
+    let hub = env
+        .hub()
+        .env("POSTHORN_AUTH__MODE", "jwt")
+        .env("POSTHORN_AUTH__JWT_SECRET", JWT_SECRET)
+        .start()
+        .await;
+    let publisher = token(json!({ "scope": "publish" }));
+    let response = http::request(
+        hub.addr(),
+        "POST",
+        "/v1/events",
+        &[
+            ("Content-Type", "application/json"),
+            ("Authorization", &format!("Bearer {publisher}")),
+        ],
+        Some(br#"{"device":"pos-j","data":"x"}"#),
+    )
+    .await;
+    assert_eq!(response.status, 201, "{}", response.text());
+    let id = response.json()["results"][0]["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let body = json!({ "id": id }).to_string();
+    let ack_as = |sub: &'static str| {
+        let bearer = format!("Bearer {}", token(json!({ "sub": sub })));
+        let body = body.clone();
+        let addr = hub.addr();
+        async move {
+            http::request(
+                addr,
+                "POST",
+                "/v1/devices/pos-j/ack",
+                &[
+                    ("Content-Type", "application/json"),
+                    ("Authorization", &bearer),
+                ],
+                Some(body.as_bytes()),
+            )
+            .await
+            .status
+        }
+    };
+    assert_eq!(ack_as("pos-other").await, 403, "another device's token");
+    assert_eq!(ack_as("pos-j").await, 204);
+    let read = |claims: Value| {
+        let bearer = format!("Bearer {}", token(claims));
+        let addr = hub.addr();
+        async move {
+            http::request(
+                addr,
+                "GET",
+                "/v1/devices/pos-j",
+                &[("Authorization", &bearer)],
+                None,
+            )
+            .await
+        }
+    };
+    assert_eq!(read(json!({ "scope": "admin publish" })).await.status, 403);
+    assert_eq!(
+        read(json!({ "sub": "pos-j" })).await.status,
+        403,
+        "a device's own token"
+    );
+    let record = read(json!({ "scope": "fleet" })).await;
+    assert_eq!(record.status, 200);
+    assert_eq!(record.json()["acked_id"], id.as_str());
+    let events = SseClient::connect(hub.addr(), "/v1/fleet/events", &[]).await;
+    assert_eq!(events.status(), 401);
+}
+
+const JWT_SECRET: &str = "fleet-test-secret";
+
+/// A token signed with [`JWT_SECRET`] with `claims` and an hour to live.
+fn token(mut claims: Value) -> String {
+    let exp = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs()
+        + 3600;
+    claims["exp"] = json!(exp);
+    let key = jsonwebtoken::EncodingKey::from_secret(JWT_SECRET.as_bytes()).unwrap();
+    jsonwebtoken::encode(&jsonwebtoken::Header::default(), &claims, &key).unwrap()
 }
 
 /// The devices that have not acknowledged a unicast event (its device, until it acks) or a
@@ -557,5 +661,20 @@ pub async fn a_double_connect_leaves_one_stream(env: &mut Env) {
             1,
             "round {round}: closed (a, b) = {closed:?}"
         );
+        // The survivor gets the device's events, and its record names it, online.
+        let (survivor, stream) = if closed[0] {
+            ("pod-b", &mut on_b)
+        } else {
+            ("pod-a", &mut on_a)
+        };
+        let id = publish_to(&a, &device, "after the race").await;
+        assert_eq!(
+            stream.expect_event(WAIT).await.id.as_deref(),
+            Some(id.as_str())
+        );
+        presence_until(&a, &device, WAIT, "online on the survivor", |r| {
+            r["online"] == true && r["pod"] == survivor
+        })
+        .await;
     }
 }

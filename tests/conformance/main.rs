@@ -190,6 +190,7 @@ conformance! {
     fleet::the_fleet_pages_through_1000_devices,
     fleet::fleet_events_are_debounced,
     fleet::acks_only_move_forward,
+    fleet::the_fleet_api_checks_tokens,
     fleet::the_unacknowledged_are_listed,
     fleet::a_new_stream_takes_over_across_pods,
     fleet::a_double_connect_leaves_one_stream,

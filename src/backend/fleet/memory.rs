@@ -12,8 +12,8 @@ use futures_util::{future::BoxFuture, stream::BoxStream, FutureExt, StreamExt};
 use tokio::sync::broadcast;
 
 use super::{
-    ack_moves, AckOutcome, DevicePage, DeviceRecord, FleetMessage, FleetSettings, FleetStore,
-    OnlineFilter, PresenceWrite, Session,
+    ack_moves, replaces, AckOutcome, DevicePage, DeviceRecord, FleetMessage, FleetSettings,
+    FleetStore, OnlineFilter, PresenceWrite, Session,
 };
 use crate::{
     backend::BackendResult,
@@ -33,6 +33,8 @@ pub struct MemoryFleet {
 #[derive(Default)]
 struct State {
     devices: BTreeMap<DeviceId, Stored>,
+    /// When records were last swept for retention (Unix ms).
+    swept_ms: u64,
     /// Last beat per instance, Unix ms; `None` once it said it stops.
     instances: HashMap<String, Option<u64>>,
     broadcasts: HashMap<String, (u64, Vec<Cursor>)>,
@@ -65,10 +67,24 @@ impl MemoryFleet {
 }
 
 impl State {
-    fn forget_old(&mut self, now: u64, retention: Duration) {
-        let oldest = now.saturating_sub(retention.as_millis() as u64);
-        self.devices.retain(|_, stored| stored.written_ms >= oldest);
+    /// Forgets records not written for `retention`, but never an open session of a live
+    /// instance (a terminal connected all week with nothing sent). At most once a second: the
+    /// sweep visits every record.
+    fn forget_old(&mut self, now: u64, settings: &FleetSettings) {
+        if now.saturating_sub(self.swept_ms) < 1000 {
+            return;
+        }
+        self.swept_ms = now;
+        let oldest = now.saturating_sub(settings.retention.as_millis() as u64);
+        let instances = &self.instances;
+        self.devices.retain(|_, stored| {
+            stored.written_ms >= oldest
+                || (stored.ended_ms.is_none()
+                    && alive(instances, &stored.session.instance, now, settings.ttl))
+        });
         self.broadcasts.retain(|_, (written, _)| *written >= oldest);
+        self.instances
+            .retain(|_, beat| beat.is_some_and(|beat| beat >= oldest));
     }
 
     fn record(&self, stored: &Stored, now: u64, ttl: Duration) -> DeviceRecord {
@@ -77,8 +93,8 @@ impl State {
             .get(&stored.session.instance)
             .copied()
             .flatten();
-        let alive = beat.is_some_and(|beat| now.saturating_sub(beat) < ttl.as_millis() as u64);
-        let online = stored.ended_ms.is_none() && alive;
+        let online =
+            stored.ended_ms.is_none() && alive(&self.instances, &stored.session.instance, now, ttl);
         let last_seen_ms = match (stored.ended_ms, online) {
             (Some(ended), _) => ended,
             (None, true) => now,
@@ -101,6 +117,19 @@ impl State {
     }
 }
 
+fn alive(
+    instances: &HashMap<String, Option<u64>>,
+    instance: &str,
+    now: u64,
+    ttl: Duration,
+) -> bool {
+    instances
+        .get(instance)
+        .copied()
+        .flatten()
+        .is_some_and(|beat| now.saturating_sub(beat) < ttl.as_millis() as u64)
+}
+
 fn same_session(stored: &Stored, instance: &str, session: u64) -> bool {
     stored.session.instance == instance && stored.session.session == session
 }
@@ -112,9 +141,13 @@ impl FleetStore for MemoryFleet {
         for change in changes {
             match change {
                 PresenceWrite::Online(session) => {
-                    let (acked, acked_ms) = state
-                        .devices
-                        .get(&session.device)
+                    let stored = state.devices.get(&session.device);
+                    if stored.is_some_and(|stored| {
+                        !replaces(&session, &stored.session, stored.ended_ms.is_none())
+                    }) {
+                        continue;
+                    }
+                    let (acked, acked_ms) = stored
                         .map(|stored| (stored.acked.clone(), stored.acked_ms))
                         .unwrap_or_default();
                     state.devices.insert(
@@ -144,7 +177,10 @@ impl FleetStore for MemoryFleet {
                 }
                 PresenceWrite::Sent { session, last_sent } => {
                     if let Some(stored) = state.devices.get_mut(&session.device) {
-                        if same_session(stored, &session.instance, session.session) {
+                        // A sample taken before the session ended must not undo its exact end.
+                        if same_session(stored, &session.instance, session.session)
+                            && stored.ended_ms.is_none()
+                        {
                             stored.last_sent = Some(last_sent);
                             stored.written_ms = now;
                         }
@@ -152,7 +188,7 @@ impl FleetStore for MemoryFleet {
                 }
             }
         }
-        state.forget_old(now, self.settings.retention);
+        state.forget_old(now, &self.settings);
         async { Ok(()) }.boxed()
     }
 
@@ -165,7 +201,7 @@ impl FleetStore for MemoryFleet {
     fn device(&self, device: &DeviceId) -> BoxFuture<'_, BackendResult<Option<DeviceRecord>>> {
         let now = unix_ms();
         let mut state = self.state();
-        state.forget_old(now, self.settings.retention);
+        state.forget_old(now, &self.settings);
         let record = state
             .devices
             .get(device)
@@ -181,16 +217,17 @@ impl FleetStore for MemoryFleet {
     ) -> BoxFuture<'_, BackendResult<DevicePage>> {
         let now = unix_ms();
         let mut state = self.state();
-        state.forget_old(now, self.settings.retention);
-        let start = match cursor.map(DeviceId::parse) {
-            Some(Ok(after)) => std::ops::Bound::Excluded(after),
-            _ => std::ops::Bound::Unbounded,
+        state.forget_old(now, &self.settings);
+        // The cursor is the last device of the previous page: any text is a place in the order.
+        let start = match cursor {
+            Some(after) => std::ops::Bound::Excluded(after),
+            None => std::ops::Bound::Unbounded,
         };
         let mut devices = Vec::new();
         let mut last = None;
         for (device, stored) in state
             .devices
-            .range((start, std::ops::Bound::Unbounded))
+            .range::<str, _>((start, std::ops::Bound::Unbounded))
             .take(limit.max(1))
         {
             last = Some(device.clone());
@@ -202,8 +239,8 @@ impl FleetStore for MemoryFleet {
         let more = last.as_ref().is_some_and(|last| {
             state
                 .devices
-                .range((
-                    std::ops::Bound::Excluded(last.clone()),
+                .range::<str, _>((
+                    std::ops::Bound::Excluded(last.as_str()),
                     std::ops::Bound::Unbounded,
                 ))
                 .next()

@@ -8,9 +8,11 @@
 //! - **Sessions.** A device's record names its latest session: the pod (display name), the pod
 //!   *instance* (random per process, so a restarted pod with the same name does not revive the
 //!   sessions of its previous life), the session id (unique within the instance), when it
-//!   connected, the remote address and the user agent. `Online` replaces the record's session;
-//!   `Offline` ends it only if the record still names that same instance and session (a late
-//!   goodbye of a replaced session changes nothing). Progress (`Sent`) likewise.
+//!   connected, the remote address and the user agent. `Online` replaces the record's session
+//!   when [`replaces`] says so (the order of two writes is not the order of the connects: the
+//!   pods flush in batches); `Offline` ends it only if the record still names that same
+//!   instance and session (a late goodbye of a replaced session changes nothing), and `Sent`
+//!   applies only to that session while it is open.
 //! - **Liveness.** A device is online iff its record names a session that has not ended and whose
 //!   instance has beaten (`beat`) within `ttl`, measured on the store's clock where it has one
 //!   (Redis `TIME`, the NATS server's timestamps). So the devices of a pod that died without a
@@ -198,6 +200,24 @@ pub trait FleetStore: Send + Sync + 'static {
     fn announce(&self, messages: Vec<FleetMessage>) -> BoxFuture<'_, BackendResult<()>>;
     /// Every message announced from now on, by any pod.
     fn subscribe(&self) -> BoxFuture<'_, BackendResult<BoxStream<'static, FleetMessage>>>;
+}
+
+/// Two sessions of a device that opened within this long of each other are a race, decided by
+/// `(connected_ms, instance, session)` everywhere (takeover, presence records, fleet events), so
+/// that every pod agrees on which one survives. Beyond it, the later one wins.
+pub const RACE_WINDOW: Duration = Duration::from_secs(2);
+
+impl Session {
+    /// The order of a race: greater survives.
+    pub fn rank(&self) -> (u64, &str, u64) {
+        (self.connected_ms, &self.instance, self.session)
+    }
+}
+
+/// Whether `new` takes the place of `stored` (ended or not) in a device's record.
+pub fn replaces(new: &Session, stored: &Session, stored_open: bool) -> bool {
+    let race = new.connected_ms.abs_diff(stored.connected_ms) < RACE_WINDOW.as_millis() as u64;
+    !stored_open || !race || new.rank() > stored.rank()
 }
 
 /// Whether an ack of `new` moves the device's acknowledged position forward from `stored`.
