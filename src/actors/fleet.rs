@@ -56,6 +56,9 @@ const MAX_PENDING: usize = 200_000;
 const EVALUATE_EVERY: Duration = Duration::from_millis(250);
 /// How often the last sent id of open streams is written.
 const PROGRESS_EVERY: Duration = Duration::from_secs(5);
+/// Longest time between two writes of an open session's record, so that `presence.retention`
+/// never forgets a device that stays connected without being sent anything.
+const REFRESH_AT_MOST: Duration = Duration::from_secs(3600);
 /// An instance silent this many `presence.ttl`s is forgotten with the devices it held.
 const FORGET_AFTER_TTLS: u32 = 20;
 /// Frames a fleet event subscriber may fall behind by.
@@ -96,6 +99,7 @@ pub struct Farewell;
 
 /// A stream of this pod.
 struct Local {
+    session: Session,
     connection_id: u64,
     progress: Progress,
     /// The progress counter when last written.
@@ -214,6 +218,7 @@ impl Fleet {
                 self.local.insert(
                     device,
                     Local {
+                        session: session.clone(),
                         connection_id,
                         progress,
                         written: 0,
@@ -694,6 +699,15 @@ impl Actor for Fleet {
             fleet.publish(crate::sse::frame::PING);
         });
         ctx.run_interval(PROGRESS_EVERY, |fleet, _| fleet.sample_progress());
+        let refresh = (self.config.retention / 4).min(REFRESH_AT_MOST);
+        ctx.run_interval(refresh, |fleet, _| {
+            let sessions: Vec<PresenceWrite> = fleet
+                .local
+                .values()
+                .map(|local| PresenceWrite::Online(local.session.clone()))
+                .collect();
+            fleet.pending_writes.extend(sessions);
+        });
     }
 }
 

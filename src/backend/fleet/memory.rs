@@ -141,12 +141,20 @@ impl FleetStore for MemoryFleet {
         for change in changes {
             match change {
                 PresenceWrite::Online(session) => {
-                    let stored = state.devices.get(&session.device);
-                    if stored.is_some_and(|stored| {
-                        !replaces(&session, &stored.session, stored.ended_ms.is_none())
-                    }) {
-                        continue;
+                    let stored = state.devices.get_mut(&session.device);
+                    match stored {
+                        Some(stored) if stored.session.is(&session) => {
+                            stored.written_ms = now;
+                            continue;
+                        }
+                        Some(stored)
+                            if !replaces(&session, &stored.session, stored.ended_ms.is_none()) =>
+                        {
+                            continue;
+                        }
+                        _ => {}
                     }
+                    let stored = state.devices.get(&session.device);
                     let (acked, acked_ms) = stored
                         .map(|stored| (stored.acked.clone(), stored.acked_ms))
                         .unwrap_or_default();

@@ -10,7 +10,9 @@
 //!   sessions of its previous life), the session id (unique within the instance), when it
 //!   connected, the remote address and the user agent. `Online` replaces the record's session
 //!   when [`replaces`] says so (the order of two writes is not the order of the connects: the
-//!   pods flush in batches); `Offline` ends it only if the record still names that same
+//!   pods flush in batches); `Online` of the session the record already names only refreshes
+//!   it (pods do so for their open sessions, so that retention never forgets a device that is
+//!   connected); `Offline` ends it only if the record still names that same
 //!   instance and session (a late goodbye of a replaced session changes nothing), and `Sent`
 //!   applies only to that session while it is open.
 //! - **Liveness.** A device is online iff its record names a session that has not ended and whose
@@ -214,10 +216,19 @@ impl Session {
     }
 }
 
-/// Whether `new` takes the place of `stored` (ended or not) in a device's record.
+impl Session {
+    /// Whether `other` is the same session.
+    pub fn is(&self, other: &Session) -> bool {
+        self.instance == other.instance && self.session == other.session
+    }
+}
+
+/// Whether `new` takes the place of `stored` (ended or not) in a device's record. The same
+/// session again (a pod refreshing the record of a long open stream) keeps the record as it
+/// is, but for the time it was written.
 pub fn replaces(new: &Session, stored: &Session, stored_open: bool) -> bool {
     let race = new.connected_ms.abs_diff(stored.connected_ms) < RACE_WINDOW.as_millis() as u64;
-    !stored_open || !race || new.rank() > stored.rank()
+    new.is(stored) || !stored_open || !race || new.rank() > stored.rank()
 }
 
 /// Whether an ack of `new` moves the device's acknowledged position forward from `stored`.
