@@ -74,6 +74,22 @@ async fn publish_live_and_resume(hub: &Hub, device: &str) {
         .map(|event| event.data)
         .collect();
     assert_eq!(got, ["one", "two"], "live on {device}");
+    // A later version of a supersede name, with a ttl: the append script writes the index, the
+    // replay reads it and sends the newest only (and the trim pass prunes the index).
+    let mut live = live_stream(hub, device).await;
+    for data in ["two, v1", "two, v2"] {
+        let response = http::post_json(
+            hub.addr(),
+            "/v1/events",
+            &serde_json::json!({
+                "device": device, "data": data, "supersede": "state", "ttl": "10m"
+            }),
+        )
+        .await;
+        assert_eq!(response.status, 201, "{}", response.text());
+    }
+    live.expect_events(2, WAIT).await;
+    drop(live);
     let mut resumed = SseClient::connect(
         hub.addr(),
         &stream_path(device),
@@ -81,11 +97,13 @@ async fn publish_live_and_resume(hub: &Hub, device: &str) {
     )
     .await;
     assert_eq!(resumed.status(), 200);
-    assert_eq!(
-        resumed.expect_event(WAIT).await.data,
-        "two",
-        "resume on {device}"
-    );
+    let got: Vec<String> = resumed
+        .expect_events(2, WAIT)
+        .await
+        .into_iter()
+        .map(|event| event.data)
+        .collect();
+    assert_eq!(got, ["two", "two, v2"], "resume on {device}");
 }
 
 /// (a) One instance over TLS, verified with the test CA: live delivery and resume work, and the

@@ -183,6 +183,9 @@ macro_rules! conformance {
     )*};
 }
 
+// After the macro: its scenarios invoke it (see the file).
+mod expiry;
+
 conformance! {
     order::live_events_arrive_in_order_as_published,
     order::a_broadcast_reaches_every_shard_once,
