@@ -79,6 +79,11 @@ pub struct Metrics {
     tail_reconnects: IntCounterVec,
     tail_batch_events: HistogramVec,
     pub tail_entries_skipped: IntCounter,
+    /// `events_expired_total{path="live"}`: dropped by a tail before routing.
+    pub events_expired_live: IntCounter,
+    /// `events_expired_total{path="replay"}`: skipped by a replay.
+    pub events_expired_replay: IntCounter,
+    pub events_superseded: IntCounter,
     router_events: [IntCounter; 4],
     publish_events: IntCounterVec,
     pub drain_in_progress: IntGauge,
@@ -188,6 +193,12 @@ impl Metrics {
         .expect("metric names are static and valid");
         r.register(Box::new(tail_lag_seconds.clone()))
             .expect("each metric is registered once");
+        let events_expired = counter_vec(
+            r,
+            "events_expired_total",
+            "events not delivered because their exp (ttl) had passed, by where they were dropped",
+            "path",
+        );
         let tail_reconnects = counter_vec(
             r,
             &format!("{backend_kind}_tail_reconnects_total"),
@@ -305,6 +316,14 @@ impl Metrics {
                 r,
                 "tail_entries_skipped_total",
                 "stream entries skipped because a field was missing or invalid",
+            ),
+            events_expired_live: events_expired.with_label_values(&["live"]),
+            events_expired_replay: events_expired.with_label_values(&["replay"]),
+            events_superseded: counter(
+                r,
+                "events_superseded_total",
+                "events a replay skipped because a newer event of the same target and supersede \
+                 name is stored",
             ),
             router_events,
             publish_events,

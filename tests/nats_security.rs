@@ -92,14 +92,26 @@ async fn publish_live_and_resume(hub: &Hub, device: &str) {
         ("first", Some(first.as_str()))
     );
     drop(live);
-    publish_to(hub, device, "second").await;
+    // Two versions of one supersede name, with a ttl: the index is written after each ack and
+    // read by the replay, which sends the newest only.
+    for data in ["second", "third"] {
+        let response = http::post_json(
+            hub.addr(),
+            "/v1/events",
+            &serde_json::json!({
+                "device": device, "data": data, "supersede": "state", "ttl": "10m"
+            }),
+        )
+        .await;
+        assert_eq!(response.status, 201, "{}", response.text());
+    }
     let mut resumed = SseClient::connect(
         hub.addr(),
         &stream_path(device),
         &[("Last-Event-ID", &first)],
     )
     .await;
-    assert_eq!(resumed.expect_event(WAIT).await.data, "second");
+    assert_eq!(resumed.expect_event(WAIT).await.data, "third");
 }
 
 /// The hub's log and `/admin/status` hold none of `secrets`.
@@ -503,7 +515,11 @@ const HUB_PERMISSIONS: &str = r#"{
           "$JS.API.CONSUMER.INFO.POSTHORN.*",
           "$JS.API.CONSUMER.MSG.NEXT.POSTHORN.*",
           "$JS.API.CONSUMER.DELETE.POSTHORN.*",
-          "posthorn.ev.*"
+          "$JS.API.STREAM.INFO.POSTHORN_SUP",
+          "$JS.API.STREAM.CREATE.POSTHORN_SUP",
+          "$JS.API.STREAM.MSG.GET.POSTHORN_SUP",
+          "posthorn.ev.*",
+          "posthorn.ev.sup.>"
         ] }
         subscribe: { allow: [ "_INBOX.>" ] }
       }"#;

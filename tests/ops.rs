@@ -143,6 +143,8 @@ async fn metrics_have_help_and_initial_labels() {
         ("ready", "gauge"),
         ("replays_in_flight", "gauge"),
         ("replay_duration_seconds", "histogram"),
+        ("events_expired_total", "counter"),
+        ("events_superseded_total", "counter"),
         ("sse_delivery_lag_seconds", "histogram"),
         ("publish_duration_seconds", "histogram"),
         ("process_resident_memory_bytes", "gauge"),
@@ -166,6 +168,13 @@ async fn metrics_have_help_and_initial_labels() {
             scrape.value("sse_connections_closed_total", &[("reason", reason)]),
             Some(0.0),
             "sse_connections_closed_total{{reason={reason:?}}} on a fresh hub"
+        );
+    }
+    for path in ["live", "replay"] {
+        assert_eq!(
+            scrape.value("events_expired_total", &[("path", path)]),
+            Some(0.0),
+            "events_expired_total{{path={path:?}}} on a fresh hub"
         );
     }
     for reason in ["expired", "invalid", "data_lost"] {

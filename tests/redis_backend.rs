@@ -211,6 +211,57 @@ async fn periodic_trim_bounds_external_streams() {
     drop(hub);
 }
 
+/// The supersede index (`pos-ev:sup:<shard>`, docs/stream-format.md) stays as large as what is
+/// stored: the trim pass forgets a name whose newest entry the length cap removed, keeps a name
+/// whose entry is still stored, and removes the index once retention emptied the stream.
+#[tokio::test]
+async fn the_trim_pass_prunes_the_supersede_index() {
+    // One entry per stream node, so `~` trimming by length is exact.
+    let redis = RedisServer::builder()
+        .config("stream-node-max-entries", "1")
+        .start()
+        .await;
+    // Retention 6 s: a trim pass every 3 s; entries age out after 6 s.
+    let hub = redis_hub(&redis.url())
+        .env("POSTHORN_REDIS__MAX_LEN", "3")
+        .env("POSTHORN_REDIS__RETENTION", "6s")
+        .start()
+        .await;
+    let versioned =
+        |data: &str, name: &str| json!({ "device": "pos-17", "data": data, "supersede": name });
+    assert_eq!(
+        publish(&hub, versioned("prices", "prices")).await.status,
+        201
+    );
+    for n in 0..3 {
+        publish_to(&hub, "pos-17", &format!("plain {n}")).await;
+    }
+    assert_eq!(publish(&hub, versioned("menu", "menu")).await.status, 201);
+    let mut client = redis.client().await;
+    let index = "pos-ev:sup:2";
+    let hlen = |reply: support::redis::RespValue| reply.as_int().expect("HLEN");
+    assert_eq!(hlen(client.cmd(&["HLEN", index]).await), 2);
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while hlen(client.cmd(&["HLEN", index]).await) > 1 {
+        assert!(tokio::time::Instant::now() < deadline, "never pruned");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let kept = client.cmd(&["HEXISTS", index, "pos-17/menu"]).await;
+    assert_eq!(
+        kept.as_int(),
+        Some(1),
+        "pruned by name: the trimmed one goes, the stored one stays"
+    );
+    while client.cmd(&["EXISTS", index]).await.as_int() != Some(0) {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the index outlived its stream's entries"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    drop(hub);
+}
+
 /// A shard whose entries all aged out (the tail had read them) and that then gets a new one
 /// missed nothing: its live stream gets the new event, not a needless `resync` `expired`,
 /// although the tail's last position is no longer stored.

@@ -62,7 +62,10 @@ async fn start_refused(hub: support::hub::HubBuilder, why: &str) -> support::hub
 }
 
 /// Live delivery of a publish, then a resume after the first event's id that delivers exactly
-/// the later ones.
+/// the later ones, of which one is superseded: [`APPENDED`] entries on the device's stream.
+/// Entries [`publish_live_and_resume`] appends.
+const APPENDED: i64 = 4;
+
 async fn publish_live_and_resume(hub: &Hub, device: &str) {
     let mut live = live_stream(hub, device).await;
     let first = publish_to(hub, device, "one").await;
@@ -74,6 +77,22 @@ async fn publish_live_and_resume(hub: &Hub, device: &str) {
         .map(|event| event.data)
         .collect();
     assert_eq!(got, ["one", "two"], "live on {device}");
+    // A later version of a supersede name, with a ttl: the append script writes the index, the
+    // replay reads it and sends the newest only (and the trim pass prunes the index).
+    let mut live = live_stream(hub, device).await;
+    for data in ["two, v1", "two, v2"] {
+        let response = http::post_json(
+            hub.addr(),
+            "/v1/events",
+            &serde_json::json!({
+                "device": device, "data": data, "supersede": "state", "ttl": "10m"
+            }),
+        )
+        .await;
+        assert_eq!(response.status, 201, "{}", response.text());
+    }
+    live.expect_events(2, WAIT).await;
+    drop(live);
     let mut resumed = SseClient::connect(
         hub.addr(),
         &stream_path(device),
@@ -81,11 +100,13 @@ async fn publish_live_and_resume(hub: &Hub, device: &str) {
     )
     .await;
     assert_eq!(resumed.status(), 200);
-    assert_eq!(
-        resumed.expect_event(WAIT).await.data,
-        "two",
-        "resume on {device}"
-    );
+    let got: Vec<String> = resumed
+        .expect_events(2, WAIT)
+        .await
+        .into_iter()
+        .map(|event| event.data)
+        .collect();
+    assert_eq!(got, ["two", "two, v2"], "resume on {device}");
 }
 
 /// (a) One instance over TLS, verified with the test CA: live delivery and resume work, and the
@@ -100,7 +121,7 @@ async fn tls_instance_streams_and_resumes() {
     assert!(redis.url().starts_with("rediss://127.0.0.1:"));
     let hub = tls_hub(&redis.url(), &pki).start().await;
     publish_live_and_resume(&hub, "pos-17").await;
-    assert_eq!(redis.client().await.xlen("pos-ev:2").await, 2);
+    assert_eq!(redis.client().await.xlen("pos-ev:2").await, APPENDED);
     // Without TLS the port answers nothing usable: the hub's traffic was encrypted.
     let mut plain = tokio::net::TcpStream::connect(redis.addr())
         .await
@@ -286,8 +307,8 @@ async fn several_tls_instances() {
     publish_live_and_resume(&hub, &low).await;
     publish_live_and_resume(&hub, &high).await;
     let key = |device: &str| format!("pos-ev:{}", crc_shard(device, 64));
-    assert_eq!(first.client().await.xlen(&key(&low)).await, 2);
-    assert_eq!(second.client().await.xlen(&key(&high)).await, 2);
+    assert_eq!(first.client().await.xlen(&key(&low)).await, APPENDED);
+    assert_eq!(second.client().await.xlen(&key(&high)).await, APPENDED);
     assert_eq!(first.client().await.xlen(&key(&high)).await, 0);
 }
 

@@ -14,12 +14,20 @@ script speaks RESP over a plain socket (or TLS for rediss://), so it runs anywhe
     # one event per line of stdin
     printf 'a\nb\n' | produce.py --device pos-17 --each-line
 
+    # not delivered after 10 minutes; on replay only the newest "prices" of the target is sent
+    produce.py --broadcast --type price.table --data '{"v":42}' --ttl 10m --supersede prices
+
     # where would it go? (no connection; prints the commands)
     produce.py --device pos-17 --data x --dry-run
 
 Use the same --shards / --prefix / --cluster / --groups / --urls as the hub's [redis] section,
 otherwise events land on streams no device reads. Every XADD trims by age (MINID ~, like the hub);
 after the run each stream written is also capped by length (XTRIM MAXLEN ~).
+
+--ttl writes the field `exp` (this machine's clock now + ttl, Unix ms): from then on the hub
+neither delivers nor replays the event. --supersede writes `sup`; but only the hub's own appends
+record which event of a name is the newest, so the versions written here are all replayed until a
+newer version of the name is published through POST /v1/events (docs/stream-format.md, section 2).
 
 Idempotency keys are NOT supported here on purpose: the hub only deduplicates events published
 through its HTTP API (POST /v1/events). A `key` field written with a plain XADD is ignored.
@@ -161,11 +169,16 @@ class Producer:
 
     def append(self, shard, dev, event_type, data):
         key = self.stream_key(shard)
-        minid = int(time.time() * 1000) - self.args.retention_ms
+        now_ms = int(time.time() * 1000)
+        minid = now_ms - self.args.retention_ms
         fields = ["dev", dev]
         if event_type:
             fields += ["type", event_type]
         fields += ["data", data]
+        if self.args.ttl_ms is not None:
+            fields += ["exp", now_ms + self.args.ttl_ms]
+        if self.args.supersede:
+            fields += ["sup", self.args.supersede]
         entry_id = self.call(self.url_of(shard), "XADD", key, "MINID", "~", minid, "*", *fields)
         if (shard, key) not in self.touched:
             self.touched.append((shard, key))
@@ -212,6 +225,10 @@ def main():
     payload.add_argument("--data", help="payload text (UTF-8; line breaks allowed)")
     payload.add_argument("--each-line", action="store_true",
                          help="read stdin; every line is the payload of one event")
+    p.add_argument("--ttl", dest="ttl_ms", type=parse_duration_ms, default=None,
+                   help="time to live (250ms, 20s, 15m, 1h): writes exp = now + ttl in Unix ms")
+    p.add_argument("--supersede", default=None,
+                   help="supersede name (the rules of --type): writes sup")
     p.add_argument("--url", default=os.environ.get("POSTHORN_REDIS__URL", "redis://127.0.0.1:6379"),
                    help="redis:// or rediss:// URL; a seed node with --cluster "
                         "(default: $POSTHORN_REDIS__URL or redis://127.0.0.1:6379)")
@@ -242,6 +259,10 @@ def main():
         check_ident("device id", args.device, MAX_DEVICE_LEN)
     if args.event_type is not None:
         check_ident("event type", args.event_type, MAX_TYPE_LEN)
+    if args.supersede is not None:
+        check_ident("supersede name", args.supersede, MAX_TYPE_LEN)
+    if args.ttl_ms == 0:
+        raise SystemExit("produce.py: --ttl must be above zero")
 
     if args.each_line:
         try:

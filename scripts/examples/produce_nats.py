@@ -11,11 +11,20 @@ and nats-py (`pip install nats-py`).
     # one copy with Posthorn-Dev: * on every shard: every connected device receives it once
     produce_nats.py --broadcast --type price.update --data '{"table":"2026-12"}'
 
+    # not delivered after 10 minutes (Posthorn-Exp), with a supersede name (Posthorn-Supersede)
+    produce_nats.py --device pos-17 --type print.receipt --data 'receipt 42' --ttl 10m \
+        --supersede receipt
+
 Use the same --shards / --subject-prefix as the hub's [nats] section, otherwise events land on
 subjects no device reads. With --key, JetStream drops a repeat within the stream's duplicate
 window (publish.dedupe_window) and answers with the original sequence; the message id has the
 form the hub uses (d/<device>/<key>, b/<shard>/<key>), so it also deduplicates against the same
 key published through POST /v1/events.
+
+--ttl writes Posthorn-Exp (this machine's clock now + ttl, Unix ms): from then on the hub neither
+delivers nor replays the event. --supersede writes Posthorn-Supersede; only the hub's own publishes
+record which event of a name is the newest, so the versions written here are all replayed until a
+newer one of the name is published through POST /v1/events (docs/stream-format.md, section 9).
 """
 
 import argparse
@@ -23,6 +32,7 @@ import asyncio
 import os
 import re
 import sys
+import time
 import zlib
 
 import nats
@@ -45,6 +55,10 @@ async def publish(args):
         copies = [(zlib.crc32(args.device.encode("utf-8")) % args.shards, args.device)]
     for shard, dev in copies:
         headers = {"Posthorn-Dev": dev, "Posthorn-Type": args.type}
+        if args.ttl_ms is not None:
+            headers["Posthorn-Exp"] = str(int(time.time() * 1000) + args.ttl_ms)
+        if args.supersede:
+            headers["Posthorn-Supersede"] = args.supersede
         if args.key:
             # The hub's own message ids (docs/stream-format.md): scoped to the target, one per
             # broadcast copy, so a repeat here and a retry through POST /v1/events are one event.
@@ -59,6 +73,13 @@ async def publish(args):
     await nc.close()
 
 
+def duration_ms(text):
+    match = re.fullmatch(r"(\d+)(ms|s|m|h)", text.strip())
+    if not match or int(match.group(1)) == 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a duration above zero like 250ms, 20s, 15m, 1h")
+    return int(match.group(1)) * {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000}[match.group(2)]
+
+
 def main():
     env = os.environ.get
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -68,6 +89,9 @@ def main():
     parser.add_argument("--type", default="message", help="event type (default: message)")
     parser.add_argument("--data", required=True, help="payload (UTF-8 text)")
     parser.add_argument("--key", help="idempotency key (Nats-Msg-Id)")
+    parser.add_argument("--ttl", dest="ttl_ms", type=duration_ms,
+                        help="time to live (250ms, 20s, 15m, 1h): Posthorn-Exp = now + ttl")
+    parser.add_argument("--supersede", help="supersede name (Posthorn-Supersede)")
     parser.add_argument("--url", default=env("POSTHORN_NATS__URL", "nats://127.0.0.1:4222"))
     parser.add_argument("--subject-prefix",
                         default=env("POSTHORN_NATS__SUBJECT_PREFIX", "posthorn.ev"))
@@ -76,6 +100,8 @@ def main():
     if args.device is not None:
         check("device id", args.device, 128)
     check("type", args.type, 64)
+    if args.supersede is not None:
+        check("supersede name", args.supersede, 64)
     asyncio.run(publish(args))
 
 

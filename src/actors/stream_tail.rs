@@ -10,6 +10,8 @@
 //! Failures: a tail opens at "now" once, then keeps its positions across backend errors and
 //! retries with jittered exponential backoff (reset after a good read), so an outage leaves no gap.
 //! Stop: the loop selects on the stop signal, so a read blocked in the backend is abandoned at once.
+//! Expiry: events whose `exp` has passed by this pod's clock are dropped before routing and
+//! counted (`events_expired_total{path="live"}`): an expired event is never delivered live.
 //! Trimming: also applies retention to its group periodically (at least every 30 s), so streams
 //! written by external producers stay bounded.
 
@@ -24,7 +26,7 @@ use tokio::sync::watch;
 
 use super::router::{RouteBatch, RoutedEvent, RoutedResync};
 use crate::{
-    backend::{trim_interval, Backend, Tail, TailBatch},
+    backend::{trim_interval, Backend, StoredEvent, Tail, TailBatch},
     metrics::Metrics,
     model::{unix_ms, Cursor, Position},
     report::Report,
@@ -295,6 +297,11 @@ impl TailLoop {
         if count > 0 {
             self.metrics.tail_batch(self.group, events.len());
         }
+        let mut events = events;
+        let expired = drop_expired(&mut events, unix_ms());
+        if expired > 0 {
+            self.metrics.events_expired_live.inc_by(expired as u64);
+        }
         let events: Vec<RoutedEvent> = events
             .into_iter()
             .map(|event| {
@@ -348,6 +355,13 @@ impl TailLoop {
     }
 }
 
+/// Drops the events whose `exp` has passed at `now_ms` (the pod's clock); returns how many.
+fn drop_expired(events: &mut Vec<StoredEvent>, now_ms: u64) -> usize {
+    let before = events.len();
+    events.retain(|event| !event.expired_at(now_ms));
+    before - events.len()
+}
+
 async fn trim_periodically(
     group: usize,
     backend: Arc<dyn Backend>,
@@ -389,5 +403,32 @@ mod tests {
         }
         backoff.reset();
         assert!(backoff.next_delay() <= Duration::from_millis(100));
+    }
+
+    /// Events expired at the tail's clock are dropped (an `exp` equal to now included); events
+    /// without one, or expiring later, stay in order.
+    #[test]
+    fn expired_events_are_dropped_before_routing() {
+        use crate::model::{Epoch, EventType, Target};
+        let event = |seq: u64, expires_ms: Option<u64>| StoredEvent {
+            shard: 0,
+            epoch: Epoch::new("e").unwrap(),
+            position: Position::new(1, seq),
+            appended_ms: 1,
+            target: Target::Broadcast,
+            event_type: EventType::message(),
+            data: Arc::from("x"),
+            expires_ms,
+            supersede: None,
+        };
+        let mut events = vec![
+            event(0, None),
+            event(1, Some(999)),
+            event(2, Some(1_000)),
+            event(3, Some(1_001)),
+        ];
+        assert_eq!(drop_expired(&mut events, 1_000), 2);
+        let kept: Vec<u64> = events.iter().map(|event| event.position.seq).collect();
+        assert_eq!(kept, [0, 3]);
     }
 }

@@ -3,7 +3,8 @@
 //! Positions are Redis-shaped `(ms, seq)` ids from the wall clock, so lag and retention work as
 //! with Redis. The epoch is drawn at process start: every cursor from a previous run of the
 //! process answers `resync` `data_lost`, because the log did not survive the restart. Everything
-//! sits behind one mutex; appends and reads hold it for microseconds.
+//! sits behind one mutex; appends and reads hold it for microseconds. The supersede index is a
+//! map per shard, written under the same lock as the entry, and pruned by the periodic trim.
 
 use std::{
     collections::{HashMap, VecDeque},
@@ -17,7 +18,7 @@ use tokio::sync::Notify;
 
 use super::{
     Appended, Backend, BackendResult, Gap, ItemOutcome, NewEvent, ReadPage, ShardState,
-    StoredEvent, Tail, TailBatch,
+    StoredEvent, SupersedeKey, Tail, TailBatch,
 };
 use crate::model::{shard_of, unix_ms, Cursor, Epoch, Position, ResyncReason, Target};
 
@@ -63,6 +64,9 @@ struct ShardLog {
     entries: VecDeque<StoredEvent>,
     last: Position,
     trimmed_through: Position,
+    /// Newest position per supersede key; entries at or below `trimmed_through` are dropped
+    /// by the periodic trim, so it holds at most one entry per stored event.
+    newest: HashMap<SupersedeKey, Position>,
 }
 
 impl ShardLog {
@@ -83,6 +87,13 @@ impl ShardLog {
             self.trimmed_through = front.position;
             self.entries.pop_front();
         }
+    }
+
+    /// Forgets supersede entries whose event is trimmed away: nothing older is left to skip.
+    fn prune_newest(&mut self) {
+        let trimmed_through = self.trimmed_through;
+        self.newest
+            .retain(|_, position| *position > trimmed_through);
     }
 
     /// Index of the first entry strictly after `after`.
@@ -165,7 +176,7 @@ impl Inner {
                 let log = &mut state.shards[shard as usize];
                 let position = log.next_position(wall_ms);
                 log.last = position;
-                log.entries.push_back(StoredEvent {
+                let stored = StoredEvent {
                     shard,
                     epoch: self.epoch.clone(),
                     position,
@@ -173,7 +184,13 @@ impl Inner {
                     target: event.target.clone(),
                     event_type: event.event_type.clone(),
                     data: data.clone(),
-                });
+                    expires_ms: event.expires_ms,
+                    supersede: event.supersede.clone(),
+                };
+                if let Some(key) = stored.supersede_key() {
+                    log.newest.insert(key, position);
+                }
+                log.entries.push_back(stored);
                 log.trim(wall_ms, settings.retention, settings.max_len);
                 copies.push(Cursor::new(self.epoch.clone(), shard, position));
             }
@@ -284,8 +301,26 @@ impl Backend for MemoryBackend {
         let settings = &self.inner.settings;
         for log in self.inner.lock().shards.iter_mut() {
             log.trim(wall_ms, settings.retention, settings.max_len);
+            log.prune_newest();
         }
         async { Ok(()) }.boxed()
+    }
+
+    fn newest_of(
+        &self,
+        shard: u32,
+        _epoch: &Epoch,
+        keys: Vec<SupersedeKey>,
+    ) -> BoxFuture<'_, BackendResult<Vec<Option<Position>>>> {
+        // One life per process: every position the index holds is of the current epoch.
+        let newest = {
+            let state = self.inner.lock();
+            let log = &state.shards[shard as usize];
+            keys.iter()
+                .map(|key| log.newest.get(key).copied())
+                .collect()
+        };
+        async move { Ok(newest) }.boxed()
     }
 
     fn ping(&self) -> BoxFuture<'_, BackendResult<()>> {
@@ -384,6 +419,8 @@ mod tests {
             event_type: EventType::message(),
             data: data.into(),
             key: key.map(String::from),
+            expires_ms: None,
+            supersede: None,
         }
     }
 
@@ -441,6 +478,62 @@ mod tests {
             assert!(state.trimmed_through > Position::ZERO);
             assert!(state.trimmed_through < entries[0].position);
         }
+    }
+
+    /// The supersede index holds the newest position per (target, name): a unicast and a
+    /// broadcast of one name are apart, and entries whose event was trimmed are pruned.
+    #[tokio::test]
+    async fn supersede_index_keeps_the_newest_per_target_and_name() {
+        let log = backend(3);
+        let name = EventType::parse("prices").unwrap();
+        let versioned = |target: Target, data: &str| NewEvent {
+            target,
+            supersede: Some(name.clone()),
+            ..unicast("pos-1", data, None)
+        };
+        let device = Target::Device(DeviceId::parse("pos-1").unwrap());
+        let shard = shard_of("pos-1", 4);
+        let key = |target: Target| SupersedeKey {
+            target,
+            name: name.clone(),
+        };
+        let appended = log
+            .append(vec![
+                versioned(device.clone(), "v1"),
+                versioned(device.clone(), "v2"),
+                versioned(Target::Broadcast, "all v1"),
+            ])
+            .await
+            .unwrap();
+        let v2 = appended[1].as_ref().unwrap().cursor.position;
+        let all = log
+            .read_after(shard, Position::ZERO, 10)
+            .await
+            .unwrap()
+            .events[2]
+            .position;
+        let epoch = log.inner.epoch.clone();
+        let newest = log
+            .newest_of(
+                shard,
+                &epoch,
+                vec![key(device.clone()), key(Target::Broadcast)],
+            )
+            .await
+            .unwrap();
+        assert_eq!(newest, [Some(v2), Some(all)]);
+        // Three more entries push every indexed one out of the length cap.
+        for i in 0..3 {
+            log.append(vec![unicast("pos-1", &i.to_string(), None)])
+                .await
+                .unwrap();
+        }
+        log.trim(0).await.unwrap();
+        let newest = log
+            .newest_of(shard, &epoch, vec![key(device), key(Target::Broadcast)])
+            .await
+            .unwrap();
+        assert_eq!(newest, [None, None]);
     }
 
     /// A tail starts at "now", sees later appends, and reports entries trimmed before it read them.

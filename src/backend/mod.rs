@@ -25,6 +25,20 @@
 //! - **Idempotency** is atomic with the append and scoped to the item's target: an item whose key
 //!   was accepted for the same device (or for a broadcast) within the dedupe window is not
 //!   appended again and returns the original cursor.
+//! - **Expiry** (`exp`): an event may carry an absolute expiry ([`StoredEvent::expires_ms`], Unix
+//!   ms). Backends store and return it; the readers drop what has expired by the pod's clock (the
+//!   tail before routing, the replay before sending): an expired event is neither delivered live
+//!   nor replayed. Nothing is removed from the store for it: retention still does that.
+//! - **Supersede** (`sup`): an event may carry a supersede name. A backend keeps, per shard, the
+//!   newest position of each (target, name) the hub appended (`newest_of`), written with the
+//!   append (Redis: in the same script; memory: under the same lock; NATS: after the publish
+//!   ack, in a KV bucket). A replay skips an event when a newer one of its (target, name) is
+//!   stored; live delivery sends every event. The target is part of the name: a unicast and a
+//!   broadcast of one name never supersede each other. Entries of external producers carry the
+//!   name but do not move the index, so every version of theirs is replayed unless the hub
+//!   appended a newer one of the name. The index may point below the newest version (a lost
+//!   index write), never above a stored version it has not seen: it can make a replay send too
+//!   much, never lose the newest.
 //! - **Partial failure.** `append` answers per item. A request that appends nothing fails as a
 //!   whole; otherwise each item is appended, or not appended, or was appended to some shards only
 //!   (a broadcast), or its outcome is unknown ([`ItemFailure`]).
@@ -105,6 +119,10 @@ pub struct NewEvent {
     pub event_type: EventType,
     pub data: String,
     pub key: Option<String>,
+    /// Absolute expiry in Unix ms (`ttl` of the item): not delivered from then on.
+    pub expires_ms: Option<u64>,
+    /// Supersede name: on replay only the newest of its (target, name) is sent.
+    pub supersede: Option<EventType>,
 }
 
 /// Outcome of one appended (or deduplicated) event, in input order.
@@ -160,6 +178,49 @@ pub struct StoredEvent {
     pub target: Target,
     pub event_type: EventType,
     pub data: Arc<str>,
+    /// Unix ms from which it is no longer delivered (`exp`); `None`: never expires.
+    pub expires_ms: Option<u64>,
+    /// Supersede name (`sup`).
+    pub supersede: Option<EventType>,
+}
+
+impl StoredEvent {
+    /// Whether it has expired at `now_ms` (the pod's clock).
+    pub fn expired_at(&self, now_ms: u64) -> bool {
+        self.expires_ms.is_some_and(|expires| expires <= now_ms)
+    }
+
+    /// Its supersede key, when it has a name.
+    pub fn supersede_key(&self) -> Option<SupersedeKey> {
+        self.supersede.as_ref().map(|name| SupersedeKey {
+            target: self.target.clone(),
+            name: name.clone(),
+        })
+    }
+}
+
+/// An expiry as stored (`exp` field, `Posthorn-Exp` header): plain decimal Unix ms, no sign or
+/// exponent, as the hub writes it. Anything else makes the entry undeliverable.
+pub fn parse_exp(text: &str) -> Option<u64> {
+    if text.is_empty() || !text.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    text.parse().ok()
+}
+
+/// What a supersede name is scoped to: one target (a device, or the broadcasts) and the name.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct SupersedeKey {
+    pub target: Target,
+    pub name: EventType,
+}
+
+impl SupersedeKey {
+    /// `<dev>/<name>`, the field of the Redis index and the text of the NATS one: device ids
+    /// (and `*`) contain no `/`, so no two keys share it.
+    pub fn field(&self) -> String {
+        format!("{}/{}", self.target.as_field(), self.name.as_str())
+    }
 }
 
 /// One page of a shard read by `read_after`, all of one life.
@@ -286,6 +347,14 @@ pub trait Backend: Send + Sync + 'static {
     fn stop_trimming(&self, _group: usize) -> BoxFuture<'_, ()> {
         Box::pin(async {})
     }
+    /// The newest stored position of each of `keys` in life `epoch` of `shard`, as far as the
+    /// supersede index knows (same order; `None`: not known, which supersedes nothing).
+    fn newest_of(
+        &self,
+        shard: u32,
+        epoch: &Epoch,
+        keys: Vec<SupersedeKey>,
+    ) -> BoxFuture<'_, BackendResult<Vec<Option<Position>>>>;
     /// Cheap reachability check for readiness.
     fn ping(&self) -> BoxFuture<'_, BackendResult<()>>;
 }

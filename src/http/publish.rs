@@ -13,13 +13,22 @@ use serde_json::{json, Map, Value};
 use super::{auth::Access, error::ApiError, AppState};
 use crate::{
     backend::{ItemFailure, NewEvent},
+    config::parse_duration,
     metrics::PublishResult,
-    model::{DeviceId, EventType, Target},
+    model::{unix_ms, DeviceId, EventType, Target},
 };
 
 /// Longest idempotency key accepted.
 const MAX_KEY_LEN: usize = 256;
-const FIELDS: [&str; 5] = ["device", "broadcast", "type", "data", "key"];
+const FIELDS: [&str; 7] = [
+    "device",
+    "broadcast",
+    "type",
+    "data",
+    "key",
+    "ttl",
+    "supersede",
+];
 
 pub async fn publish(
     request: HttpRequest,
@@ -199,14 +208,23 @@ pub fn parse_batch(
     items
         .into_iter()
         .enumerate()
-        .map(|(index, item)| parse_item(item, indexed.then_some(index), limits.max_event_bytes))
+        .map(|(index, item)| {
+            parse_item(
+                item,
+                indexed.then_some(index),
+                limits.max_event_bytes,
+                unix_ms(),
+            )
+        })
         .collect()
 }
 
+/// One item; `now_ms` (the pod's clock) turns a `ttl` into the absolute expiry stored.
 fn parse_item(
     item: Value,
     index: Option<usize>,
     max_event_bytes: usize,
+    now_ms: u64,
 ) -> Result<NewEvent, ApiError> {
     let invalid = |field: &'static str, message: String| ApiError::InvalidField {
         index,
@@ -281,11 +299,32 @@ fn parse_item(
             ));
         }
     }
+    let expires_ms = match take_string(&mut object, "ttl", index)? {
+        None => None,
+        Some(text) => match parse_duration(&text).filter(|ttl| !ttl.is_zero()) {
+            Some(ttl) => Some(now_ms.saturating_add(ttl.as_millis() as u64)),
+            None => {
+                return Err(invalid(
+                    "ttl",
+                    format!("{text:?} must be a duration above zero such as 30s, 10m or 2h"),
+                ))
+            }
+        },
+    };
+    let supersede = match take_string(&mut object, "supersede", index)? {
+        None => None,
+        Some(text) => Some(
+            EventType::parse(&text)
+                .map_err(|error| invalid("supersede", format!("{text:?} {error}")))?,
+        ),
+    };
     Ok(NewEvent {
         target,
         event_type,
         data,
         key,
+        expires_ms,
+        supersede,
     })
 }
 
@@ -363,6 +402,72 @@ mod tests {
         assert!(matches!(parse("{"), Err(ApiError::MalformedJson(_))));
         assert!(matches!(parse("[]"), Err(ApiError::InvalidRequest(_))));
         assert!(matches!(parse("42"), Err(ApiError::InvalidRequest(_))));
+    }
+
+    /// `ttl` becomes an absolute expiry from the pod's clock; `supersede` is a name with the
+    /// rules of an event type. Both are optional.
+    #[test]
+    fn ttl_and_supersede_are_read() {
+        let before = unix_ms();
+        let events = parse(
+            r#"[{"device":"a","data":"x","ttl":"10m","supersede":"price.table"},
+                {"broadcast":true,"data":"y"}]"#,
+        )
+        .unwrap();
+        let after = unix_ms();
+        let expires = events[0].expires_ms.unwrap();
+        assert!(
+            (before + 600_000..=after + 600_000).contains(&expires),
+            "{expires}"
+        );
+        assert_eq!(
+            events[0].supersede.as_ref().unwrap().as_str(),
+            "price.table"
+        );
+        assert_eq!(events[1].expires_ms, None);
+        assert_eq!(events[1].supersede, None);
+    }
+
+    /// A zero, unparsable or non-string `ttl` and an invalid `supersede` name are refused,
+    /// naming the item and the field.
+    #[test]
+    fn bad_ttl_and_supersede_are_named() {
+        for ttl in [
+            r#""0""#,
+            r#""0s""#,
+            r#""10 minutes""#,
+            r#""-5s""#,
+            r#""""#,
+            "600",
+        ] {
+            let error = parse(&format!(
+                r#"[{{"device":"a","data":"x"}},{{"device":"a","data":"x","ttl":{ttl}}}]"#
+            ))
+            .unwrap_err();
+            assert!(
+                matches!(
+                    error,
+                    ApiError::InvalidField {
+                        index: Some(1),
+                        field: "ttl",
+                        ..
+                    }
+                ),
+                "{ttl}: {error:?}"
+            );
+        }
+        let error = parse(r#"{"device":"a","data":"x","supersede":"two words"}"#).unwrap_err();
+        assert!(
+            matches!(
+                error,
+                ApiError::InvalidField {
+                    index: None,
+                    field: "supersede",
+                    ..
+                }
+            ),
+            "{error:?}"
+        );
     }
 
     /// Oversized payloads are 413 naming the item.

@@ -114,7 +114,7 @@ impl fmt::Debug for EventType {
 }
 
 /// Who an entry is for: one device, or every device of the shard it was appended to (`dev=*`).
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub enum Target {
     Device(DeviceId),
     Broadcast,

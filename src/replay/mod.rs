@@ -8,7 +8,9 @@
 //!
 //! Not an actor: each Connection runs its own replay as a future, and they meet here. A replay
 //! sends either every retained event of its device after the cursor, or one `resync`, through
-//! the connection's replay channel, then `ReplayEnd`; when trimming overtakes it midway (a
+//! the connection's replay channel, then `ReplayEnd`; it leaves out what has expired by the
+//! pod's clock (`exp`) and what a newer event of the same supersede name (and target) replaces,
+//! asking the backend's supersede index once per page; when trimming overtakes it midway (a
 //! client reading slowly at the edge of retention), a `resync` `expired` where entries were
 //! removed, then what is left. A replay whose client takes nothing for
 //! `sse.stall_timeout` gives its slot up (the Connection evicts the client). While it waits for a
@@ -28,9 +30,10 @@ use thiserror::Error;
 use tokio::sync::{mpsc, Semaphore};
 
 use crate::{
-    backend::{Backend, BackendError},
+    backend::{Backend, BackendError, StoredEvent},
     metrics::Metrics,
-    model::{Cursor, DeviceId, ResyncReason},
+    model::{unix_ms, Cursor, DeviceId, Epoch, ResyncReason},
+    report::Report,
     sse::{frame, QueueItem},
 };
 use window::{CacheBudget, Window};
@@ -174,11 +177,12 @@ impl Replayer {
                 after = removed_through;
                 continue;
             }
-            for event in page
+            let mine: Vec<&StoredEvent> = page
                 .events
                 .iter()
                 .filter(|event| event.target.reaches(device))
-            {
+                .collect();
+            for event in self.deliverable(shard, &epoch, mine).await {
                 let id = Cursor::new(epoch.clone(), shard, event.position).to_string();
                 send(QueueItem::Event {
                     epoch: epoch.id(),
@@ -194,6 +198,59 @@ impl Replayer {
                 _ => return send(QueueItem::ReplayEnd).await,
             }
         }
+    }
+
+    /// What of `events` (one page, one device) is sent: not expired, and not replaced by a
+    /// newer event of its supersede key. When the index cannot be read, nothing is left out for
+    /// supersede: a replay may send old versions, never lose the newest.
+    async fn deliverable<'e>(
+        &self,
+        shard: u32,
+        epoch: &Epoch,
+        events: Vec<&'e StoredEvent>,
+    ) -> Vec<&'e StoredEvent> {
+        let now_ms = unix_ms();
+        let before = events.len();
+        let mut events: Vec<&StoredEvent> = events
+            .into_iter()
+            .filter(|event| !event.expired_at(now_ms))
+            .collect();
+        self.metrics
+            .events_expired_replay
+            .inc_by((before - events.len()) as u64);
+        let mut keys: Vec<_> = events
+            .iter()
+            .filter_map(|event| event.supersede_key())
+            .collect();
+        keys.sort_by_key(|key| key.field());
+        keys.dedup();
+        if keys.is_empty() {
+            return events;
+        }
+        let newest = match self.backend.newest_of(shard, epoch, keys.clone()).await {
+            Ok(newest) => newest,
+            Err(error) => {
+                log::warn!(
+                    "replay of shard {shard} sends every version of its supersede names: the \
+                     index could not be read ({})",
+                    Report(&error)
+                );
+                return events;
+            }
+        };
+        let newest: std::collections::HashMap<_, _> = keys.into_iter().zip(newest).collect();
+        let before = events.len();
+        events.retain(|event| {
+            let replaced = event
+                .supersede_key()
+                .and_then(|key| newest.get(&key).copied().flatten())
+                .is_some_and(|newest| newest > event.position);
+            !replaced
+        });
+        self.metrics
+            .events_superseded
+            .inc_by((before - events.len()) as u64);
+        events
     }
 
     async fn send(
@@ -276,5 +333,170 @@ impl<'a> GaugeGuard<'a> {
 impl Drop for GaugeGuard<'_> {
     fn drop(&mut self) {
         self.0.dec();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::ops::Range;
+
+    use futures_util::{future::BoxFuture, FutureExt};
+
+    use super::*;
+    use crate::{
+        backend::{
+            memory::MemorySettings, BackendResult, ItemOutcome, MemoryBackend, NewEvent, ReadPage,
+            ShardState, SupersedeKey, Tail,
+        },
+        model::{shard_of, EventType, Position, Target},
+    };
+
+    /// The memory backend whose supersede index cannot be read.
+    struct IndexDown(MemoryBackend);
+
+    impl Backend for IndexDown {
+        fn kind(&self) -> &'static str {
+            self.0.kind()
+        }
+        fn shards(&self) -> u32 {
+            self.0.shards()
+        }
+        fn groups(&self) -> Vec<Range<u32>> {
+            self.0.groups()
+        }
+        fn append(&self, events: Vec<NewEvent>) -> BoxFuture<'_, BackendResult<Vec<ItemOutcome>>> {
+            self.0.append(events)
+        }
+        fn open_tail(&self, group: usize) -> BoxFuture<'_, BackendResult<Box<dyn Tail>>> {
+            self.0.open_tail(group)
+        }
+        fn read_after(
+            &self,
+            shard: u32,
+            after: Position,
+            limit: usize,
+        ) -> BoxFuture<'_, BackendResult<ReadPage>> {
+            self.0.read_after(shard, after, limit)
+        }
+        fn shard_state(
+            &self,
+            shard: u32,
+            probe: Option<Position>,
+        ) -> BoxFuture<'_, BackendResult<ShardState>> {
+            self.0.shard_state(shard, probe)
+        }
+        fn trim(&self, group: usize) -> BoxFuture<'_, BackendResult<()>> {
+            self.0.trim(group)
+        }
+        fn newest_of(
+            &self,
+            _shard: u32,
+            _epoch: &Epoch,
+            _keys: Vec<SupersedeKey>,
+        ) -> BoxFuture<'_, BackendResult<Vec<Option<Position>>>> {
+            async { Err(BackendError::unavailable("index down")) }.boxed()
+        }
+        fn ping(&self) -> BoxFuture<'_, BackendResult<()>> {
+            self.0.ping()
+        }
+    }
+
+    fn memory() -> MemoryBackend {
+        MemoryBackend::new(MemorySettings {
+            shards: 4,
+            retention: Duration::from_secs(900),
+            max_len: 100,
+            tail_count: 100,
+            dedupe_window: Duration::from_secs(600),
+        })
+    }
+
+    fn replayer(backend: Arc<dyn Backend>) -> Replayer {
+        let metrics = Arc::new(Metrics::new(prometheus::Registry::new(), "memory"));
+        Replayer::new(
+            backend,
+            metrics,
+            4,
+            100,
+            Duration::ZERO,
+            Duration::from_secs(30),
+        )
+    }
+
+    fn event(target: Target, data: &str, expires_ms: Option<u64>, sup: Option<&str>) -> NewEvent {
+        NewEvent {
+            target,
+            event_type: EventType::message(),
+            data: data.into(),
+            key: None,
+            expires_ms,
+            supersede: sup.map(|name| EventType::parse(name).unwrap()),
+        }
+    }
+
+    /// Appends a mixed backlog for `pos-1` and returns what `deliverable` keeps of it.
+    async fn kept(backend: Arc<dyn Backend>) -> (Vec<String>, Arc<Metrics>) {
+        let device = DeviceId::parse("pos-1").unwrap();
+        let me = Target::Device(device.clone());
+        let now = unix_ms();
+        backend
+            .append(vec![
+                event(me.clone(), "prices v1", None, Some("prices")),
+                event(me.clone(), "expired", Some(now - 1), None),
+                event(Target::Broadcast, "all prices v1", None, Some("prices")),
+                event(me.clone(), "prices v2", Some(now + 60_000), Some("prices")),
+                event(me.clone(), "menu", None, Some("menu")),
+                event(Target::Broadcast, "all prices v2", None, Some("prices")),
+                event(me.clone(), "plain", None, None),
+            ])
+            .await
+            .unwrap();
+        let shard = shard_of("pos-1", 4);
+        let page = backend
+            .read_after(shard, Position::ZERO, 100)
+            .await
+            .unwrap();
+        let replayer = replayer(backend);
+        let mine = page
+            .events
+            .iter()
+            .filter(|event| event.target.reaches(&device))
+            .collect();
+        let kept = replayer
+            .deliverable(shard, &page.epoch, mine)
+            .await
+            .into_iter()
+            .map(|event| event.data.to_string())
+            .collect();
+        (kept, replayer.metrics.clone())
+    }
+
+    /// Expired events are left out; of each (target, name) only the newest is kept, the
+    /// unicast and the broadcast names apart; the rest keeps its order; both are counted.
+    #[tokio::test]
+    async fn expired_and_superseded_events_are_left_out() {
+        let (kept, metrics) = kept(Arc::new(memory())).await;
+        assert_eq!(kept, ["prices v2", "menu", "all prices v2", "plain"]);
+        assert_eq!(metrics.events_expired_replay.get(), 1);
+        assert_eq!(metrics.events_superseded.get(), 2);
+    }
+
+    /// When the index cannot be read, every version is sent (never lose the newest); expiry
+    /// still applies.
+    #[tokio::test]
+    async fn an_unreadable_index_supersedes_nothing() {
+        let (kept, metrics) = kept(Arc::new(IndexDown(memory()))).await;
+        assert_eq!(
+            kept,
+            [
+                "prices v1",
+                "all prices v1",
+                "prices v2",
+                "menu",
+                "all prices v2",
+                "plain"
+            ]
+        );
+        assert_eq!(metrics.events_superseded.get(), 0);
     }
 }

@@ -308,6 +308,8 @@ mod tests {
                     event_type: EventType::message(),
                     data: data.clone(),
                     key: None,
+                    expires_ms: None,
+                    supersede: None,
                 })
                 .collect();
             self.backend

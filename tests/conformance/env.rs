@@ -324,6 +324,35 @@ impl Env {
         }
     }
 
+    /// Appends an entry for `device` (on its shard) that sets the expiry (`exp`, Unix ms) and
+    /// supersede name (`sup`) itself, as docs/stream-format.md documents: Redis fields `exp` and
+    /// `sup`, NATS headers `Posthorn-Exp` and `Posthorn-Supersede`. Its type is `ext`.
+    pub async fn produce_with(
+        &mut self,
+        device: &str,
+        data: &str,
+        exp: Option<&str>,
+        sup: Option<&str>,
+    ) {
+        let on = shard(device);
+        match &self.servers {
+            Servers::Redis(_) | Servers::Cluster(_) => {
+                let mut fields = vec![("dev", device), ("type", "ext"), ("data", data)];
+                fields.extend(exp.map(|exp| ("exp", exp)));
+                fields.extend(sup.map(|sup| ("sup", sup)));
+                self.xadd(on, &fields).await;
+            }
+            Servers::Nats(nats) => {
+                let mut headers = vec![("Posthorn-Dev", device), ("Posthorn-Type", "ext")];
+                headers.extend(exp.map(|exp| ("Posthorn-Exp", exp)));
+                headers.extend(sup.map(|sup| ("Posthorn-Supersede", sup)));
+                let js = nats.jetstream().await;
+                produce(&js, &nats_subject(on), &headers, data.as_bytes()).await;
+            }
+            Servers::Memory => self.cannot(Fault::ExternalProducer),
+        }
+    }
+
     /// Appends, on `device`'s shard, entries the backend's format documents as undeliverable:
     /// a missing device, missing data, an invalid type, a body that is not UTF-8. Returns how
     /// many, which the hub counts in `tail_entries_skipped_total`.

@@ -184,6 +184,9 @@ macro_rules! conformance {
     )*};
 }
 
+// After the macro: its scenarios invoke it (see the file).
+mod expiry;
+
 conformance! {
     fleet::presence_follows_a_session,
     fleet::a_killed_pods_devices_go_offline_within_ttl,

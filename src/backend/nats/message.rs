@@ -1,8 +1,9 @@
 //! Reading stored JetStream messages into events (docs/stream-format.md, NATS format).
 //!
 //! Messages come from producers we do not control. One without a `Posthorn-Dev` header, with an
-//! invalid device id or event type, on a subject that is no shard, or with a body that is not
-//! UTF-8 text is skipped and counted; it never stops a tail or a replay. Header names are matched
+//! invalid device id, event type or supersede name, a `Posthorn-Exp` that is not a decimal number
+//! of Unix ms, on a subject that is no shard, or with a body that is not UTF-8 text is skipped
+//! and counted; it never stops a tail or a replay. Header names are matched
 //! exactly as written here (NATS headers are case-sensitive).
 
 use std::sync::Arc;
@@ -11,7 +12,7 @@ use async_nats::HeaderMap;
 
 use super::layout::position;
 use crate::{
-    backend::StoredEvent,
+    backend::{parse_exp, StoredEvent},
     model::{Epoch, EventType, Target},
 };
 
@@ -19,6 +20,10 @@ use crate::{
 pub const DEV_HEADER: &str = "Posthorn-Dev";
 /// Event type; missing means `message`.
 pub const TYPE_HEADER: &str = "Posthorn-Type";
+/// Absolute expiry, decimal Unix ms; missing means never.
+pub const EXP_HEADER: &str = "Posthorn-Exp";
+/// Supersede name; missing means none.
+pub const SUPERSEDE_HEADER: &str = "Posthorn-Supersede";
 /// JetStream's own deduplication header: carries the idempotency key (see [`message_id`]).
 pub const MSG_ID_HEADER: &str = "Nats-Msg-Id";
 
@@ -50,6 +55,14 @@ pub fn event(
         None => EventType::message(),
         Some(value) => EventType::parse(value.as_str()).ok()?,
     };
+    let expires_ms = match headers.get(EXP_HEADER) {
+        None => None,
+        Some(value) => Some(parse_exp(value.as_str())?),
+    };
+    let supersede = match headers.get(SUPERSEDE_HEADER) {
+        None => None,
+        Some(value) => Some(EventType::parse(value.as_str()).ok()?),
+    };
     Some(StoredEvent {
         shard,
         epoch: epoch.clone(),
@@ -58,6 +71,8 @@ pub fn event(
         target,
         event_type,
         data: Arc::from(std::str::from_utf8(payload).ok()?),
+        expires_ms,
+        supersede,
     })
 }
 
@@ -102,6 +117,31 @@ mod tests {
         .unwrap();
         assert_eq!(broadcast.target, Target::Broadcast);
         assert_eq!(broadcast.event_type.as_str(), "price.table");
+    }
+
+    /// `Posthorn-Exp` and `Posthorn-Supersede` are read when valid; a message with a bad one is
+    /// refused (skipped and counted by the reader).
+    #[test]
+    fn expiry_and_supersede_headers() {
+        let epoch = Epoch::new("e").unwrap();
+        let read = |pairs: &[(&str, &str)]| event(0, &epoch, 1, 0, Some(&headers(pairs)), b"x");
+        let event = read(&[
+            (DEV_HEADER, "pos-1"),
+            (EXP_HEADER, "1700000000000"),
+            (SUPERSEDE_HEADER, "prices"),
+        ])
+        .unwrap();
+        assert_eq!(event.expires_ms, Some(1_700_000_000_000));
+        assert_eq!(event.supersede.unwrap().as_str(), "prices");
+        let plain = read(&[(DEV_HEADER, "pos-1")]).unwrap();
+        assert_eq!((plain.expires_ms, plain.supersede), (None, None));
+        for bad in [
+            (EXP_HEADER, "soon"),
+            (EXP_HEADER, "+5"),
+            (SUPERSEDE_HEADER, "two words"),
+        ] {
+            assert!(read(&[(DEV_HEADER, "pos-1"), bad]).is_none(), "{bad:?}");
+        }
     }
 
     /// Message ids are scoped to the target: no key of one target can produce another's id.

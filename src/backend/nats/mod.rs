@@ -45,6 +45,9 @@
 //!   2.11). The epoch read after the fetch labels the page: a consumer lives and dies with the
 //!   stream it was created on, so a page read from a stream that was re-created before the
 //!   consumer was is labelled with the new stream's epoch, and the replay starts over.
+//! - **Supersede index** ([`supersede`]): a second stream, `{stream}_SUP`, keeps the newest
+//!   position per shard and supersede key; written after a publish ack (newest wins), read by
+//!   replays one message get per key. Created at start-up when missing.
 //! - **Lives**: a stream's life starts at sequence 0 (everything in a new stream is new).
 //! - **Trim**: JetStream applies `max_age` itself, to messages from any producer, so the
 //!   periodic trim has nothing to do.
@@ -52,6 +55,7 @@
 mod connect;
 mod layout;
 mod message;
+mod supersede;
 mod tail;
 
 use std::{
@@ -81,7 +85,7 @@ pub use layout::{layout_of, Layout};
 
 use super::{
     Appended, Backend, BackendError, BackendResult, ItemFailure, ItemOutcome, NewEvent, ReadPage,
-    ShardState, StoredEvent, Tail,
+    ShardState, StoredEvent, SupersedeKey, Tail,
 };
 use crate::{
     config::NatsConfig,
@@ -152,6 +156,7 @@ impl NatsBackend {
             missing_since: Mutex::new(None),
         };
         let info = inner.adopt_or_create_stream().await?;
+        supersede::ensure(&inner.jetstream, &inner.layout, &inner.settings).await?;
         inner.set_epoch(layout::epoch_of(info.created.unix_timestamp_nanos()));
         Ok(Self {
             inner: Arc::new(inner),
@@ -375,6 +380,8 @@ impl Inner {
             .collect();
         let mut window = Vec::with_capacity(PUBLISH_WINDOW);
         let mut silent: Option<String> = None;
+        // Stored copies with a supersede name, recorded in the index once acknowledged.
+        let mut indexed: Vec<(u32, SupersedeKey, Position)> = Vec::new();
         for chunk in copies.chunks(PUBLISH_WINDOW) {
             if let Some(reason) = &silent {
                 // NATS stopped answering: nothing more is sent.
@@ -388,6 +395,12 @@ impl Inner {
                 let mut headers = HeaderMap::new();
                 headers.insert(message::DEV_HEADER, event.target.as_field());
                 headers.insert(message::TYPE_HEADER, event.event_type.as_str());
+                if let Some(expires_ms) = event.expires_ms {
+                    headers.insert(message::EXP_HEADER, expires_ms.to_string().as_str());
+                }
+                if let Some(name) = &event.supersede {
+                    headers.insert(message::SUPERSEDE_HEADER, name.as_str());
+                }
                 // A dedupe window of 0 remembers no key. JetStream cannot be told so (it takes a
                 // duplicate window of 0 for its default of 2 min), so the hub sends no message id.
                 if let Some(key) = event
@@ -435,6 +448,18 @@ impl Inner {
                         if broadcast {
                             item.copy_cursors.push(cursor.clone());
                         }
+                        if let Some(name) =
+                            events[index].supersede.as_ref().filter(|_| !ack.duplicate)
+                        {
+                            indexed.push((
+                                shard,
+                                SupersedeKey {
+                                    target: events[index].target.clone(),
+                                    name: name.clone(),
+                                },
+                                layout::position(ack.sequence),
+                            ));
+                        }
                         if !broadcast || shard == 0 {
                             item.answer = Some(Appended {
                                 cursor,
@@ -456,6 +481,7 @@ impl Inner {
                 silent = None;
             }
         }
+        self.record_newest(&epoch, indexed).await;
         let outcomes: Vec<ItemOutcome> = items.into_iter().map(ItemTally::outcome).collect();
         if outcomes
             .iter()
@@ -469,6 +495,28 @@ impl Inner {
             return Err(BackendError::unavailable(message));
         }
         Ok(outcomes)
+    }
+
+    /// Writes the supersede index for stored copies (concurrently). A failed write is logged and
+    /// leaves the item stored: its replays then send older versions too, never lose this one.
+    async fn record_newest(&self, epoch: &Epoch, indexed: Vec<(u32, SupersedeKey, Position)>) {
+        let writes = indexed.iter().map(|(shard, key, position)| {
+            supersede::record(&self.jetstream, &self.layout, *shard, key, epoch, *position)
+        });
+        for (result, (shard, key, _)) in futures_util::future::join_all(writes)
+            .await
+            .into_iter()
+            .zip(&indexed)
+        {
+            if let Err(error) = result {
+                log::warn!(
+                    "nats: the supersede index of {} on shard {shard} was not updated, so \
+                     replays send its older versions too: {}",
+                    key.field(),
+                    crate::report::Report(&error)
+                );
+            }
+        }
     }
 
     async fn read_after(&self, shard: u32, after: u64, limit: usize) -> BackendResult<ReadPage> {
@@ -768,6 +816,26 @@ impl Backend for NatsBackend {
     fn trim(&self, _group: usize) -> BoxFuture<'_, BackendResult<()>> {
         // JetStream enforces the stream's max age itself, on every producer's messages.
         async { Ok(()) }.boxed()
+    }
+
+    fn newest_of(
+        &self,
+        shard: u32,
+        epoch: &Epoch,
+        keys: Vec<SupersedeKey>,
+    ) -> BoxFuture<'_, BackendResult<Vec<Option<Position>>>> {
+        let epoch = epoch.clone();
+        async move {
+            supersede::newest_of(
+                &self.inner.jetstream,
+                &self.inner.layout,
+                shard,
+                &epoch,
+                &keys,
+            )
+            .await
+        }
+        .boxed()
     }
 
     fn ping(&self) -> BoxFuture<'_, BackendResult<()>> {

@@ -53,6 +53,13 @@ impl Layout {
         format!("{}:dedupe:{target}/{key}", self.group_prefix(group))
     }
 
+    /// The supersede index of `shard`: a hash from `<dev>/<name>` to `<epoch> <id>` of the newest
+    /// entry the hub appended with that supersede name. Not `<prefix>:<digits>`, so a direct
+    /// producer's ACL (streams only) does not reach it.
+    pub fn supersede_key(&self, shard: u32) -> String {
+        format!("{}:sup:{shard}", self.group_prefix(self.group_of(shard)))
+    }
+
     /// Held by the one pod that applies retention to the group's streams.
     pub fn trim_lease_key(&self, group: usize) -> String {
         format!("{}:trim-lease", self.group_prefix(group))
@@ -91,6 +98,8 @@ mod tests {
             "pos-ev:{g1}:dedupe:*/k:3"
         );
         assert_eq!(cluster.group_key(1), "pos-ev:{g1}:16");
+        assert_eq!(cluster.supersede_key(17), "pos-ev:{g1}:sup:17");
+        assert_eq!(layout(64, 1, false).supersede_key(3), "pos-ev:sup:3");
     }
 
     /// Group ranges are contiguous, cover every shard once, and agree with `group_of`.

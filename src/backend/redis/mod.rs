@@ -21,7 +21,10 @@
 //!   resume also looks for the cursor's own entry: missing and not trimmed means `data_lost`.
 //! - **Resume** reads pages with [`scripts::READ`] (XRANGE plus the life it read in and what
 //!   trimming had removed: [`trimming`]).
-//! - **Trimming** runs on Redis' clock under a lease, one pod per group at a time.
+//! - **Trimming** runs on Redis' clock under a lease, one pod per group at a time; it also drops
+//!   supersede index entries whose entry was trimmed.
+//! - **Supersede**: the append script sets `<dev>/<sup>` of the shard's index hash
+//!   ([`Layout::supersede_key`]) to `<epoch> <id>` with the entry; a replay reads it with `HMGET`.
 
 mod layout;
 mod reply;
@@ -51,7 +54,7 @@ pub use setup::{ConnectionSetup, SetupError};
 
 use super::{
     trim_interval, Appended, Backend, BackendError, BackendResult, ItemFailure, ItemOutcome,
-    NewEvent, ReadPage, ShardState, Tail,
+    NewEvent, ReadPage, ShardState, SupersedeKey, Tail,
 };
 use crate::{
     config::RedisConfig,
@@ -307,8 +310,15 @@ impl GroupCall {
         let dedupe = event.key.as_ref().map_or(0, |key| {
             self.key(layout.dedupe_key(group, event.target.as_field(), key))
         });
-        let streams: Vec<(usize, u32)> = shards
-            .map(|shard| (self.key(layout.stream_key(shard)), shard))
+        let streams: Vec<(usize, u32, usize)> = shards
+            .map(|shard| {
+                let stream = self.key(layout.stream_key(shard));
+                let index = match event.supersede {
+                    Some(_) => self.key(layout.supersede_key(shard)),
+                    None => 0,
+                };
+                (stream, shard, index)
+            })
             .collect();
         self.args.extend([
             Value::from(dedupe as i64),
@@ -316,11 +326,19 @@ impl GroupCall {
             Value::from(event.event_type.as_str()),
             Value::from(event.data.as_str()),
             Value::from(event.key.as_deref().unwrap_or("")),
+            Value::from(
+                event
+                    .expires_ms
+                    .map(|ms| ms.to_string())
+                    .unwrap_or_default(),
+            ),
+            Value::from(event.supersede.as_ref().map_or("", |name| name.as_str())),
             Value::from(streams.len() as i64),
         ]);
-        for (index, shard) in streams {
-            self.args.push(Value::from(index as i64));
+        for (stream, shard, index) in streams {
+            self.args.push(Value::from(stream as i64));
             self.args.push(Value::from(i64::from(shard)));
+            self.args.push(Value::from(index as i64));
         }
         self.answers.push(answers);
         self.items.push(item);
@@ -616,11 +634,10 @@ impl Inner {
     async fn trim(&self, group: usize) -> BackendResult<()> {
         let retention = self.settings.redis.retention;
         let mut keys = vec![self.layout.trim_lease_key(group)];
-        keys.extend(
-            self.layout
-                .shards_of(group)
-                .map(|shard| self.layout.stream_key(shard)),
-        );
+        for shard in self.layout.shards_of(group) {
+            keys.push(self.layout.stream_key(shard));
+            keys.push(self.layout.supersede_key(shard));
+        }
         let lease = trim_interval(retention) * 3;
         self.eval(
             group,
@@ -635,6 +652,32 @@ impl Inner {
         )
         .await
         .map(|_| ())
+    }
+
+    /// `HMGET` of the shard's supersede index; values of another life count as unknown.
+    async fn newest_of(
+        &self,
+        shard: u32,
+        epoch: &Epoch,
+        keys: Vec<SupersedeKey>,
+    ) -> BackendResult<Vec<Option<Position>>> {
+        let group = self.layout.group_of(shard);
+        let mut args = vec![Value::from(self.layout.supersede_key(shard))];
+        args.extend(keys.iter().map(|key| Value::from(key.field())));
+        let reply = self.command(group, "HMGET", args).await?;
+        let values = reply::items(&reply);
+        if values.len() != keys.len() {
+            return Err(bad_reply("supersede index"));
+        }
+        Ok(values
+            .iter()
+            .map(|value| {
+                let (life, position) = reply::text(value)?.split_once(' ')?;
+                (life == epoch.as_str())
+                    .then(|| position.parse().ok())
+                    .flatten()
+            })
+            .collect())
     }
 
     async fn stop_trimming(&self, group: usize) {
@@ -779,6 +822,16 @@ impl Backend for RedisBackend {
 
     fn stop_trimming(&self, group: usize) -> BoxFuture<'_, ()> {
         self.inner.stop_trimming(group).boxed()
+    }
+
+    fn newest_of(
+        &self,
+        shard: u32,
+        epoch: &Epoch,
+        keys: Vec<SupersedeKey>,
+    ) -> BoxFuture<'_, BackendResult<Vec<Option<Position>>>> {
+        let epoch = epoch.clone();
+        async move { self.inner.newest_of(shard, &epoch, keys).await }.boxed()
     }
 
     fn ping(&self) -> BoxFuture<'_, BackendResult<()>> {

@@ -1,15 +1,16 @@
 //! Reading Redis replies (RESP2, the protocol our clients speak) into entries and positions.
 //!
 //! Entries come from producers we do not control. An entry missing `dev` or `data`, with an
-//! invalid device id or event type, or with a payload that is not UTF-8 text is skipped and
-//! counted; it never stops a tail or a replay.
+//! invalid device id, event type or supersede name (`sup`), an `exp` that is not a decimal
+//! number of Unix ms, or a payload that is not UTF-8 text is skipped and counted; it never stops
+//! a tail or a replay.
 
 use std::sync::Arc;
 
 use fred::types::Value;
 
 use crate::{
-    backend::StoredEvent,
+    backend::{parse_exp, StoredEvent},
     model::{Epoch, EventType, Position, Target},
 };
 
@@ -72,12 +73,15 @@ pub fn entries(shard: u32, epoch: &Epoch, reply: &Value) -> Entries {
 
 fn event(shard: u32, epoch: &Epoch, position: Position, fields: &Value) -> Option<StoredEvent> {
     let (mut dev, mut event_type, mut data) = (None, None, None);
+    let (mut expires_ms, mut supersede) = (None, None);
     for pair in items(fields).chunks(2) {
         let [name, value] = pair else { continue };
         match text(name) {
             Some("dev") => dev = Some(text(value)?),
             Some("type") => event_type = Some(text(value)?),
             Some("data") => data = Some(text(value)?),
+            Some("exp") => expires_ms = Some(parse_exp(text(value)?)?),
+            Some("sup") => supersede = Some(EventType::parse(text(value)?).ok()?),
             _ => {}
         }
     }
@@ -92,6 +96,8 @@ fn event(shard: u32, epoch: &Epoch, position: Position, fields: &Value) -> Optio
             Some(text) => EventType::parse(text).ok()?,
         },
         data: Arc::from(data?),
+        expires_ms,
+        supersede,
     })
 }
 
@@ -138,5 +144,40 @@ mod tests {
         assert_eq!(parsed.events[0].event_type.as_str(), "message");
         assert_eq!(parsed.events[1].target, Target::Broadcast);
         assert_eq!(&*parsed.events[1].data, "b");
+        assert_eq!(parsed.events[0].expires_ms, None);
+        assert_eq!(parsed.events[0].supersede, None);
+    }
+
+    /// `exp` and `sup` are read when valid; an entry with a bad one is skipped (and counted), so
+    /// a malformed expiry never makes an event immortal by accident.
+    #[test]
+    fn expiry_and_supersede_fields() {
+        let reply = Value::Array(vec![
+            entry(
+                "2-0",
+                &[
+                    "dev",
+                    "pos-1",
+                    "data",
+                    "a",
+                    "exp",
+                    "1700000000000",
+                    "sup",
+                    "prices",
+                ],
+            ),
+            entry("2-1", &["dev", "pos-1", "data", "b", "exp", "soon"]),
+            entry("2-2", &["dev", "pos-1", "data", "c", "exp", "-5"]),
+            entry("2-3", &["dev", "pos-1", "data", "d", "sup", "two words"]),
+            entry("2-4", &["dev", "pos-1", "data", "e", "exp", ""]),
+        ]);
+        let parsed = entries(0, &Epoch::new("e").unwrap(), &reply);
+        assert_eq!(parsed.events.len(), 1);
+        assert_eq!(parsed.skipped, 4);
+        let event = &parsed.events[0];
+        assert_eq!(event.expires_ms, Some(1_700_000_000_000));
+        assert_eq!(event.supersede.as_ref().unwrap().as_str(), "prices");
+        assert!(event.expired_at(1_700_000_000_000));
+        assert!(!event.expired_at(1_699_999_999_999));
     }
 }

@@ -10,6 +10,7 @@
 //!   life. Data and marker are one key, so losing the data loses the marker with it.
 //! - `minid(retention_ms)`: the oldest id retention keeps, from Redis' own clock (`TIME`), never
 //!   the pod's: a pod whose clock runs ahead must not trim what it just appended.
+//! - `older(a, b)`: whether stream id `a` is below `b` (an unreadable one counts as older).
 //! - `trimming(key)`: what tells how much of a stream was removed, `{last-generated-id,
 //!   entries-added, length, max-deleted-entry-id, first entry id or ''}` (XINFO STREAM, Redis 7).
 
@@ -46,6 +47,13 @@ local function trimming(key)
   return {fields['last-generated-id'], fields['entries-added'], fields['length'],
           fields['max-deleted-entry-id'], first}
 end
+local function older(a, b)
+  local a_ms, a_seq = string.match(a, '^(%d+)-(%d+)$')
+  local b_ms, b_seq = string.match(b, '^(%d+)-(%d+)$')
+  if not a_ms or not b_ms then return true end
+  a_ms, b_ms = tonumber(a_ms), tonumber(b_ms)
+  return a_ms < b_ms or (a_ms == b_ms and tonumber(a_seq) < tonumber(b_seq))
+end
 local function minid(retention_ms)
   local now = redis.call('TIME')
   local ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000) - retention_ms
@@ -58,11 +66,14 @@ end
     };
 }
 
-/// Appends the items of one group. KEYS: the streams and dedupe keys the items refer to (one
-/// slot). ARGV: fresh epoch prefix, retention (ms), MAXLEN cap, dedupe window (ms), item count,
-/// then per item: dedupe key index (0 = none), dev, type, data, key, stream count, then per
-/// stream its key index and shard. Returns per item the cursor of its first stream and whether
-/// it was a duplicate: `{cursor, 0|1, cursor, 0|1, ...}`. A dedupe key holds the cursor it was
+/// Appends the items of one group. KEYS: the streams, supersede indexes and dedupe keys the items
+/// refer to (one slot). ARGV: fresh epoch prefix, retention (ms), MAXLEN cap, dedupe window (ms),
+/// item count, then per item: dedupe key index (0 = none), dev, type, data, key, exp, sup ('' =
+/// none), stream count, then per stream its key index, shard and supersede index key index
+/// (0 = none). An item with `sup` sets `<dev>/<sup>` of its shard's index to `<epoch> <id>`
+/// with the entry, atomically. Returns per item the cursor of its first stream, whether it was
+/// a duplicate, and for a broadcast appended now the cursor of every copy (else empty):
+/// `{cursor, 0|1, {copy, ...}, ...}`. A dedupe key holds the cursor it was
 /// answered with, so a duplicate gets the original's id; a device's key answered in a life of its
 /// stream that has ended is forgotten (its event was lost with that life). A dedupe window of 0
 /// remembers nothing.
@@ -75,9 +86,14 @@ local at = 6
 for _ = 1, tonumber(ARGV[5]) do
   local dedupe = tonumber(ARGV[at])
   local dev, kind, data, key = ARGV[at + 1], ARGV[at + 2], ARGV[at + 3], ARGV[at + 4]
-  local streams = tonumber(ARGV[at + 5])
-  local first = at + 6
-  at = first + 2 * streams
+  local exp, sup = ARGV[at + 5], ARGV[at + 6]
+  local streams = tonumber(ARGV[at + 7])
+  local first = at + 8
+  at = first + 3 * streams
+  local fields = {'dev', dev, 'type', kind, 'data', data}
+  if key ~= '' then table.insert(fields, 'key'); table.insert(fields, key) end
+  if exp ~= '' then table.insert(fields, 'exp'); table.insert(fields, exp) end
+  if sup ~= '' then table.insert(fields, 'sup'); table.insert(fields, sup) end
   local previous = false
   if dedupe > 0 then
     previous = redis.call('GET', KEYS[dedupe])
@@ -102,19 +118,16 @@ for _ = 1, tonumber(ARGV[5]) do
     local cursor = false
     local copies = {}
     for s = 0, streams - 1 do
-      local stream = KEYS[tonumber(ARGV[first + 2 * s])]
-      local shard = ARGV[first + 2 * s + 1]
+      local stream = KEYS[tonumber(ARGV[first + 3 * s])]
+      local shard = ARGV[first + 3 * s + 1]
+      local index = tonumber(ARGV[first + 3 * s + 2])
       local epoch = lives[stream]
       if not epoch then
         epoch = life(stream, ARGV[1] .. shard)
         lives[stream] = epoch
       end
-      local id
-      if key ~= '' then
-        id = redis.call('XADD', stream, 'MINID', '~', threshold, '*', 'dev', dev, 'type', kind, 'data', data, 'key', key)
-      else
-        id = redis.call('XADD', stream, 'MINID', '~', threshold, '*', 'dev', dev, 'type', kind, 'data', data)
-      end
+      local id = redis.call('XADD', stream, 'MINID', '~', threshold, '*', unpack(fields))
+      if index > 0 then redis.call('HSET', KEYS[index], dev .. '/' .. sup, epoch .. ' ' .. id) end
       redis.call('XTRIM', stream, 'MAXLEN', '~', ARGV[3])
       if not cursor then cursor = epoch .. '.' .. shard .. '.' .. id end
       if dev == '*' then table.insert(copies, epoch .. '.' .. shard .. '.' .. id) end
@@ -186,17 +199,42 @@ return {epoch, redis.call('XRANGE', KEYS[1], ARGV[1], '+', 'COUNT', ARGV[2]), tr
 );
 
 /// Retention for the streams of one group, by one pod at a time. KEYS[1]: the group's trim lease,
-/// then the streams. ARGV: this pod's token, lease length (ms), retention (ms), MAXLEN cap.
-/// Returns 1 when this pod holds the lease and trimmed, 0 when another pod holds it.
+/// then per shard its stream and its supersede index. ARGV: this pod's token, lease length (ms),
+/// retention (ms), MAXLEN cap. After trimming a stream, the index forgets the names whose newest
+/// entry is gone (below the first entry, or of another life): nothing older is left to skip, and
+/// the index stays as large as what is stored. Returns 1 when this pod holds the lease and
+/// trimmed, 0 when another pod holds it.
 pub const TRIM: &str = with_helpers!(
     r#"
 local holder = redis.call('GET', KEYS[1])
 if holder and holder ~= ARGV[1] then return 0 end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 local threshold = minid(tonumber(ARGV[3]))
-for i = 2, #KEYS do
-  redis.call('XTRIM', KEYS[i], 'MINID', '~', threshold)
-  redis.call('XTRIM', KEYS[i], 'MAXLEN', '~', ARGV[4])
+for i = 2, #KEYS, 2 do
+  local stream, index = KEYS[i], KEYS[i + 1]
+  redis.call('XTRIM', stream, 'MINID', '~', threshold)
+  redis.call('XTRIM', stream, 'MAXLEN', '~', ARGV[4])
+  if redis.call('EXISTS', index) == 1 then
+    local head = redis.call('XRANGE', stream, '-', '+', 'COUNT', 1)
+    if #head == 0 then
+      redis.call('DEL', index)
+    else
+      local first, epoch = head[1][1], nil
+      for _, group in ipairs(redis.call('XINFO', 'GROUPS', stream)) do
+        for g = 1, #group, 2 do
+          if group[g] == 'name' and string.sub(group[g + 1], 1, #PREFIX) == PREFIX then
+            local name = string.sub(group[g + 1], #PREFIX + 1)
+            if epoch == nil or name < epoch then epoch = name end
+          end
+        end
+      end
+      local entries = redis.call('HGETALL', index)
+      for e = 1, #entries, 2 do
+        local life, id = string.match(entries[e + 1], '^(%S+) (%S+)$')
+        if life ~= epoch or older(id, first) then redis.call('HDEL', index, entries[e]) end
+      end
+    end
+  end
 end
 return 1
 "#
