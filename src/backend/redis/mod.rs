@@ -23,6 +23,7 @@
 //!   trimming had removed: [`trimming`]).
 //! - **Trimming** runs on Redis' clock under a lease, one pod per group at a time.
 
+mod fleet;
 mod layout;
 mod reply;
 mod scripts;
@@ -46,11 +47,12 @@ use fred::{
 use futures_util::{future::BoxFuture, FutureExt};
 use trimming::Trimming;
 
+pub use fleet::RedisFleet;
 pub use layout::Layout;
 pub use setup::{ConnectionSetup, SetupError};
 
 use super::{
-    trim_interval, Appended, Backend, BackendError, BackendResult, ItemFailure, ItemOutcome,
+    fleet::FleetSettings, trim_interval, Appended, Backend, BackendError, BackendResult, ItemFailure, ItemOutcome,
     NewEvent, ReadPage, ShardState, Tail,
 };
 use crate::{
@@ -226,6 +228,20 @@ impl RedisBackend {
             backend.inner.check(group, &shards, &[]).await?;
         }
         Ok(backend)
+    }
+}
+
+impl RedisBackend {
+    /// The fleet store on the backend's first client (the first instance of `redis.urls`, or
+    /// the cluster): the same TLS, user and password (docs/fleet.md).
+    pub async fn fleet(&self, settings: FleetSettings) -> BackendResult<RedisFleet> {
+        RedisFleet::new(
+            self.inner.clients[0].clone(),
+            self.inner.layout.cluster,
+            self.inner.layout.prefix.clone(),
+            settings,
+        )
+        .await
     }
 }
 
