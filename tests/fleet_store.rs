@@ -17,8 +17,8 @@ use futures_util::{stream::BoxStream, StreamExt};
 use posthorn::{
     backend::{
         fleet::{
-            memory::MemoryFleet, AckOutcome, FleetMessage, FleetSettings, FleetStore,
-            OnlineFilter, PresenceWrite, Session, SessionRef,
+            memory::MemoryFleet, AckOutcome, FleetMessage, FleetSettings, FleetStore, OnlineFilter,
+            PresenceWrite, Session, SessionRef,
         },
         nats::{NatsAccess, NatsBackend, NatsSettings},
         redis::{ConnectionSetup, RedisBackend, RedisSettings},
@@ -141,7 +141,7 @@ impl Env {
                 }
             }
             Servers::Nats(nats) => {
-                config.nats.url = vec![RedactedUrl::new(&nats.url())];
+                config.nats.url = vec![RedactedUrl::new(nats.url())];
                 let access = NatsAccess::load(&config.nats).expect("nats access");
                 let backend = NatsBackend::connect(
                     NatsSettings {
@@ -184,7 +184,11 @@ impl Env {
         let Servers::Redis(redis) = &self.servers else {
             return None;
         };
-        let stats = redis.client().await.info_map(&["INFO", "commandstats"]).await;
+        let stats = redis
+            .client()
+            .await
+            .info_map(&["INFO", "commandstats"])
+            .await;
         let eval = stats
             .iter()
             .find(|(name, _)| name == "cmdstat_eval")
@@ -285,7 +289,12 @@ pub async fn online_after_online(env: &mut Env) {
     );
     assert_eq!(record.last_sent, Some(sent));
     assert_eq!((record.acked, record.acked_ms), (None, None));
-    assert_between(record.last_seen_ms, before, after, "last_seen of an online device");
+    assert_between(
+        record.last_seen_ms,
+        before,
+        after,
+        "last_seen of an online device",
+    );
 }
 
 /// `Offline` of the record's own session ends it: offline, last seen at its end, progress kept.
@@ -360,17 +369,38 @@ pub async fn an_instance_that_stops_beating_goes_offline_after_ttl(env: &mut Env
     let before = unix_ms();
     pod.beat("a", "inst-a", false).await.expect("beat");
     let after = unix_ms();
-    let record = reader.device(&s.device).await.expect("read").expect("known");
+    let record = reader
+        .device(&s.device)
+        .await
+        .expect("read")
+        .expect("known");
     assert!(record.online, "online right after a beat: {record:?}");
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert!(
-        reader.device(&s.device).await.expect("read").expect("known").online,
+        reader
+            .device(&s.device)
+            .await
+            .expect("read")
+            .expect("known")
+            .online,
         "still online within ttl"
     );
     tokio::time::sleep(Duration::from_millis(1300)).await;
-    let record = reader.device(&s.device).await.expect("read").expect("known");
-    assert!(!record.online, "offline after ttl without a beat: {record:?}");
-    assert_between(record.last_seen_ms, before, after, "last_seen = the last beat");
+    let record = reader
+        .device(&s.device)
+        .await
+        .expect("read")
+        .expect("known");
+    assert!(
+        !record.online,
+        "offline after ttl without a beat: {record:?}"
+    );
+    assert_between(
+        record.last_seen_ms,
+        before,
+        after,
+        "last_seen = the last beat",
+    );
     let page = reader
         .list(OnlineFilter::Offline, 10, None)
         .await
@@ -378,7 +408,14 @@ pub async fn an_instance_that_stops_beating_goes_offline_after_ttl(env: &mut Env
     assert_eq!(page.devices.len(), 1, "{page:?}");
     // A beat revives it: its session never ended.
     pod.beat("a", "inst-a", false).await.expect("beat");
-    assert!(reader.device(&s.device).await.expect("read").expect("known").online);
+    assert!(
+        reader
+            .device(&s.device)
+            .await
+            .expect("read")
+            .expect("known")
+            .online
+    );
 }
 
 /// A `stopping` beat takes the instance's devices offline at once.
@@ -389,7 +426,13 @@ pub async fn a_stopping_beat_is_offline_at_once(env: &mut Env) {
     pod.write(vec![PresenceWrite::Online(s.clone())])
         .await
         .expect("write");
-    assert!(pod.device(&s.device).await.expect("read").expect("known").online);
+    assert!(
+        pod.device(&s.device)
+            .await
+            .expect("read")
+            .expect("known")
+            .online
+    );
     let before = unix_ms();
     pod.beat("a", "inst-a", true).await.expect("beat");
     let after = unix_ms();
@@ -408,7 +451,9 @@ pub async fn an_unknown_device_is_none(env: &mut Env) {
     let page = pod.list(OnlineFilter::Any, 10, None).await.expect("list");
     assert!(page.devices.is_empty() && page.next.is_none(), "{page:?}");
     assert_eq!(
-        pod.broadcast_copies(&cursor("e1", 0, 1, 0)).await.expect("read"),
+        pod.broadcast_copies(&cursor("e1", 0, 1, 0))
+            .await
+            .expect("read"),
         None
     );
 }
@@ -486,7 +531,11 @@ pub async fn listing_pages_through_every_device(env: &mut Env) {
                 .await
                 .expect("list");
             pages += 1;
-            assert!(page.devices.len() <= 100, "{filter:?}: page of {}", page.devices.len());
+            assert!(
+                page.devices.len() <= 100,
+                "{filter:?}: page of {}",
+                page.devices.len()
+            );
             for record in &page.devices {
                 assert!(filter.admits(record.online), "{filter:?}: {record:?}");
                 seen.push(record.device.to_string());
@@ -536,7 +585,11 @@ pub async fn acks_move_forward_only(env: &mut Env) {
         .expect("write");
     let record = pod.device(&d).await.expect("read").expect("known");
     assert!(record.online);
-    assert_eq!(record.acked, Some(cursor("e2", 3, 0, 1)), "Online keeps the ack");
+    assert_eq!(
+        record.acked,
+        Some(cursor("e2", 3, 0, 1)),
+        "Online keeps the ack"
+    );
 }
 
 /// Concurrent acks of one device from several tasks (and two pods) end at the greatest.
@@ -578,7 +631,11 @@ pub async fn an_ack_creates_the_record(env: &mut Env) {
     assert!(!record.online, "{record:?}");
     assert_eq!((record.acked, record.acked_ms), (Some(ack), Some(at)));
     let page = pod.list(OnlineFilter::Any, 10, None).await.expect("list");
-    assert_eq!(page.devices.len(), 1, "the ack's record is listed: {page:?}");
+    assert_eq!(
+        page.devices.len(),
+        1,
+        "the ack's record is listed: {page:?}"
+    );
 }
 
 /// The copies of a broadcast are found under the id the hub answered, `copies[0]`.
@@ -592,7 +649,10 @@ pub async fn broadcast_copies_round_trip(env: &mut Env) {
         Some(copies.clone()),
         "another pod reads them"
     );
-    assert_eq!(other.broadcast_copies(&copies[1]).await.expect("read"), None);
+    assert_eq!(
+        other.broadcast_copies(&copies[1]).await.expect("read"),
+        None
+    );
 }
 
 fn alive(pod: &str, n: u64) -> FleetMessage {
@@ -663,7 +723,11 @@ pub async fn every_pod_hears_every_announcement_in_order(env: &mut Env) {
             .iter()
             .filter(|m| matches!(m, FleetMessage::Alive { pod, .. } if pod == "b"))
             .collect();
-        assert_eq!(from_b, vec![&alive("b", 1), &alive("b", 2)], "pod {name}: b's");
+        assert_eq!(
+            from_b,
+            vec![&alive("b", 1), &alive("b", 2)],
+            "pod {name}: b's"
+        );
     }
 }
 
@@ -743,10 +807,20 @@ pub async fn a_batch_of_500_changes_is_one_round_trip(env: &mut Env) {
             evals_after - evals_before
         );
     }
-    assert!(!pod.device(&sessions[0].device).await.expect("read").expect("known").online);
+    assert!(
+        !pod.device(&sessions[0].device)
+            .await
+            .expect("read")
+            .expect("known")
+            .online
+    );
     for s in &sessions[1..] {
         assert!(
-            pod.device(&s.device).await.expect("read").expect("known").online,
+            pod.device(&s.device)
+                .await
+                .expect("read")
+                .expect("known")
+                .online,
             "{:?}",
             s.device
         );

@@ -176,7 +176,9 @@ impl NatsFleet {
 
     /// Puts the clock probe and reads it back: its timestamp is the server's time.
     async fn measure_clock(&self) -> BackendResult<()> {
-        self.stamp("clock", Bytes::from_static(b"{}")).await.map(|_| ())
+        self.stamp("clock", Bytes::from_static(b"{}"))
+            .await
+            .map(|_| ())
     }
 
     /// Puts `value` under `key` of the pods bucket, reads back the server's timestamp, updates
@@ -333,12 +335,7 @@ impl NatsFleet {
         Ok(Some(self.record(device, stored, beat)))
     }
 
-    fn record(
-        &self,
-        device: &DeviceId,
-        stored: Stored,
-        beat: Option<(i64, bool)>,
-    ) -> DeviceRecord {
+    fn record(&self, device: &DeviceId, stored: Stored, beat: Option<(i64, bool)>) -> DeviceRecord {
         let now = self.server_now();
         let alive = beat.is_some_and(|(at, stopping)| {
             !stopping && now - at < self.settings.ttl.as_millis() as i64
@@ -403,9 +400,10 @@ impl NatsFleet {
                 while let Some(message) = batch.next().await {
                     let message = message.map_err(|error| unavailable("fetch", error))?;
                     got += 1;
-                    let deleted = message.headers.as_ref().is_some_and(|headers| {
-                        headers.get("KV-Operation").is_some()
-                    });
+                    let deleted = message
+                        .headers
+                        .as_ref()
+                        .is_some_and(|headers| headers.get("KV-Operation").is_some());
                     let published = message
                         .info()
                         .map_err(|error| unavailable("message info", error))?
@@ -413,7 +411,11 @@ impl NatsFleet {
                     // `$KV.{bucket}.{key}`: the key is everything after the second dot.
                     let key = message.subject.splitn(3, '.').nth(2).map(str::to_owned);
                     if let (Some(key), false) = (key, deleted) {
-                        entries.push((key, message.payload.clone(), ms_of(published.unix_timestamp_nanos())));
+                        entries.push((
+                            key,
+                            message.payload.clone(),
+                            ms_of(published.unix_timestamp_nanos()),
+                        ));
                     }
                 }
                 if got == 0 {
@@ -425,7 +427,11 @@ impl NatsFleet {
             Ok::<_, BackendError>(())
         };
         let outcome = tokio::time::timeout(LIST_TIMEOUT, fetched).await;
-        if let Err(error) = self.jetstream.delete_consumer_from_stream(&name, stream).await {
+        if let Err(error) = self
+            .jetstream
+            .delete_consumer_from_stream(&name, stream)
+            .await
+        {
             log::debug!("nats: listing consumer {name} is left to expire: {error}");
         }
         match outcome {
@@ -485,7 +491,12 @@ impl NatsFleet {
         })
     }
 
-    async fn ack(&self, device: &DeviceId, cursor: &Cursor, at_ms: u64) -> BackendResult<AckOutcome> {
+    async fn ack(
+        &self,
+        device: &DeviceId,
+        cursor: &Cursor,
+        at_ms: u64,
+    ) -> BackendResult<AckOutcome> {
         let text = cursor.to_string();
         self.modify(&device_key(device.as_str()), |stored| {
             let mut stored = stored.unwrap_or_else(|| Stored {

@@ -164,10 +164,7 @@ impl NatsBackend {
 impl NatsBackend {
     /// The fleet store on the backend's connection: KV buckets named after `nats.stream`,
     /// created or updated here, and the channel subject (docs/fleet.md).
-    pub async fn fleet(
-        &self,
-        settings: super::fleet::FleetSettings,
-    ) -> BackendResult<NatsFleet> {
+    pub async fn fleet(&self, settings: super::fleet::FleetSettings) -> BackendResult<NatsFleet> {
         NatsFleet::new(&self.inner, settings).await
     }
 }

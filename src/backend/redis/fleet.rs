@@ -28,8 +28,8 @@ use super::{bad_reply, init, reply, unavailable};
 use crate::{
     backend::{
         fleet::{
-            AckOutcome, DevicePage, DeviceRecord, FleetMessage, FleetSettings,
-            FleetStore, OnlineFilter, PresenceWrite,
+            AckOutcome, DevicePage, DeviceRecord, FleetMessage, FleetSettings, FleetStore,
+            OnlineFilter, PresenceWrite,
         },
         BackendError, BackendResult,
     },
@@ -274,11 +274,7 @@ impl RedisFleet {
     fn index_call(&self, devices: impl IntoIterator<Item = String>) -> Call {
         let mut args = vec![ms_arg(self.settings.retention)];
         args.extend(devices.into_iter().map(Value::from));
-        eval(
-            INDEX,
-            vec![self.keys.names(), self.keys.written()],
-            args,
-        )
+        eval(INDEX, vec![self.keys.names(), self.keys.written()], args)
     }
 
     async fn write(&self, changes: Vec<PresenceWrite>) -> BackendResult<()> {
@@ -298,7 +294,7 @@ impl RedisFleet {
             } else {
                 0
             };
-            let call = slots.entry(slot).or_insert_with(SlotCall::default);
+            let call = slots.entry(slot).or_default();
             let index = call.key(key);
             call.changes += 1;
             call.args.push(Value::from(index as i64));
@@ -397,7 +393,12 @@ impl RedisFleet {
         Ok(DevicePage { devices, next })
     }
 
-    async fn ack(&self, device: &DeviceId, cursor: &Cursor, at_ms: u64) -> BackendResult<AckOutcome> {
+    async fn ack(
+        &self,
+        device: &DeviceId,
+        cursor: &Cursor,
+        at_ms: u64,
+    ) -> BackendResult<AckOutcome> {
         let answers = self
             .exchange(vec![
                 eval(
@@ -520,9 +521,8 @@ impl RedisFleet {
             client: subscriber,
             resubscribe,
         };
-        let stream = futures_util::stream::unfold(
-            (messages, guard),
-            |(mut messages, guard)| async move {
+        let stream =
+            futures_util::stream::unfold((messages, guard), |(mut messages, guard)| async move {
                 loop {
                     match messages.recv().await {
                         Ok(message) => {
@@ -536,10 +536,9 @@ impl RedisFleet {
                         Err(tokio::sync::broadcast::error::RecvError::Closed) => return None,
                     }
                 }
-            },
-        )
-        .flat_map(futures_util::stream::iter)
-        .boxed();
+            })
+            .flat_map(futures_util::stream::iter)
+            .boxed();
         Ok(stream)
     }
 }
@@ -627,7 +626,12 @@ fn write_args(change: &PresenceWrite) -> (&DeviceId, Vec<Value>) {
                 text(""),
                 text(""),
                 Value::from(at_ms.to_string()),
-                Value::from(last_sent.as_ref().map(Cursor::to_string).unwrap_or_default()),
+                Value::from(
+                    last_sent
+                        .as_ref()
+                        .map(Cursor::to_string)
+                        .unwrap_or_default(),
+                ),
             ],
         ),
         PresenceWrite::Sent { session, last_sent } => (
@@ -654,7 +658,10 @@ fn parse_hash(value: &Value) -> Option<HashMap<String, String>> {
         Value::Array(items) => {
             for pair in items.chunks(2) {
                 if let [name, value] = pair {
-                    fields.insert(reply::text(name)?.to_owned(), reply::text(value)?.to_owned());
+                    fields.insert(
+                        reply::text(name)?.to_owned(),
+                        reply::text(value)?.to_owned(),
+                    );
                 }
             }
         }

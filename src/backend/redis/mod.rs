@@ -52,8 +52,8 @@ pub use layout::Layout;
 pub use setup::{ConnectionSetup, SetupError};
 
 use super::{
-    fleet::FleetSettings, trim_interval, Appended, Backend, BackendError, BackendResult, ItemFailure, ItemOutcome,
-    NewEvent, ReadPage, ShardState, Tail,
+    fleet::FleetSettings, trim_interval, Appended, Backend, BackendError, BackendResult,
+    ItemFailure, ItemOutcome, NewEvent, ReadPage, ShardState, Tail,
 };
 use crate::{
     config::RedisConfig,
@@ -501,7 +501,14 @@ impl Inner {
                 Target::Broadcast => {
                     for (group, call) in calls.iter_mut().enumerate() {
                         let answers = (group == 0).then_some(index);
-                        call.push(layout, group, event, layout.shards_of(group), index, answers);
+                        call.push(
+                            layout,
+                            group,
+                            event,
+                            layout.shards_of(group),
+                            index,
+                            answers,
+                        );
                     }
                     spans.push(0..groups);
                 }
@@ -535,11 +542,8 @@ impl Inner {
                 failed[group] = Some(bad_reply("append"));
                 continue;
             }
-            for ((answers, item), triple) in call
-                .answers
-                .iter()
-                .zip(&call.items)
-                .zip(items.chunks(3))
+            for ((answers, item), triple) in
+                call.answers.iter().zip(&call.items).zip(items.chunks(3))
             {
                 let cursor = reply::text(&triple[0])
                     .and_then(|text| Cursor::parse(text).ok())
@@ -566,7 +570,10 @@ impl Inner {
             }
         }
         for (answer, mut copies) in answered.iter_mut().zip(copies) {
-            if let Some(answer) = answer.as_mut().filter(|_| copies.len() == layout.shards as usize) {
+            if let Some(answer) = answer
+                .as_mut()
+                .filter(|_| copies.len() == layout.shards as usize)
+            {
                 copies.sort_by_key(|copy| copy.shard);
                 answer.copies = copies;
             }
