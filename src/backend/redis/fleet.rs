@@ -495,14 +495,14 @@ impl RedisFleet {
             .subscribe(channel.clone())
             .await
             .map_err(unavailable)?;
+        // The events so far are the connections just made (one per node in a cluster), which
+        // the SUBSCRIBE above covers: a second SUBSCRIBE in flight while the first messages
+        // arrive loses them (seen in tests), so only later reconnections subscribe again.
+        while reconnects.try_recv().is_ok() {}
         let resubscriber = subscriber.clone();
         let resubscribe = tokio::spawn(async move {
-            // The first event is the connection just made, subscribed above: a second SUBSCRIBE
-            // in flight while the first messages arrive loses them.
-            let mut first = true;
             loop {
                 match reconnects.recv().await {
-                    Ok(_) if std::mem::take(&mut first) => {}
                     Ok(_) => {
                         if let Err(error) = resubscriber.subscribe(channel.clone()).await {
                             // The next reconnection tries again; meanwhile liveness decides.
