@@ -97,22 +97,42 @@ pub fn check_files(config: &Config) -> Result<(), ServeError> {
 /// Entries per memory tail read: one Router batch, as `redis.count` is for a Redis tail.
 const MEMORY_TAIL_BATCH: usize = 500;
 
+/// The backend `build_backend` made: what the hub uses, and the concrete store the fleet store is
+/// built on (it shares its connections and their TLS and credentials).
+pub enum BuiltBackend {
+    Memory(Arc<MemoryBackend>),
+    Redis(Arc<RedisBackend>),
+    Nats(Arc<NatsBackend>),
+}
+
+impl BuiltBackend {
+    pub fn shared(&self) -> Arc<dyn Backend> {
+        match self {
+            BuiltBackend::Memory(backend) => backend.clone(),
+            BuiltBackend::Redis(backend) => backend.clone(),
+            BuiltBackend::Nats(backend) => backend.clone(),
+        }
+    }
+}
+
 /// Builds the backend `backend.kind` selects: the one place that matches on it.
-pub async fn build_backend(config: &Config) -> Result<Arc<dyn Backend>, ServeError> {
+pub async fn build_backend(config: &Config) -> Result<BuiltBackend, ServeError> {
     let dedupe_window = config.publish.dedupe_window;
     Ok(match config.backend_choice() {
-        BackendChoice::Memory(memory) => Arc::new(MemoryBackend::new(MemorySettings {
-            shards: memory.shards,
-            retention: memory.retention,
-            max_len: memory.max_len,
-            tail_count: MEMORY_TAIL_BATCH,
-            dedupe_window,
-        })),
+        BackendChoice::Memory(memory) => {
+            BuiltBackend::Memory(Arc::new(MemoryBackend::new(MemorySettings {
+                shards: memory.shards,
+                retention: memory.retention,
+                max_len: memory.max_len,
+                tail_count: MEMORY_TAIL_BATCH,
+                dedupe_window,
+            })))
+        }
         BackendChoice::Redis(redis) => {
             // A file that cannot be used is a configuration error: stop before connecting.
             let setup = ConnectionSetup::read(redis)
                 .map_err(|error| ServeError::Unservable(Report(&error).to_string()))?;
-            Arc::new(
+            BuiltBackend::Redis(Arc::new(
                 RedisBackend::connect(
                     RedisSettings {
                         redis: redis.clone(),
@@ -122,14 +142,14 @@ pub async fn build_backend(config: &Config) -> Result<Arc<dyn Backend>, ServeErr
                 )
                 .await
                 .map_err(ServeError::Backend)?,
-            )
+            ))
         }
         BackendChoice::Nats(nats) => {
             // A TLS or credentials file that cannot be used is a configuration error (exit 64),
             // found before anything connects.
             let access = NatsAccess::load(nats)
                 .map_err(|error| ServeError::Unservable(Report(&error).to_string()))?;
-            Arc::new(
+            BuiltBackend::Nats(Arc::new(
                 NatsBackend::connect(
                     NatsSettings {
                         nats: nats.clone(),
@@ -139,7 +159,7 @@ pub async fn build_backend(config: &Config) -> Result<Arc<dyn Backend>, ServeErr
                 )
                 .await
                 .map_err(ServeError::Backend)?,
-            )
+            ))
         }
     })
 }
@@ -147,7 +167,7 @@ pub async fn build_backend(config: &Config) -> Result<Arc<dyn Backend>, ServeErr
 /// The fleet store of the backend `backend.kind` selects; `None` with presence disabled.
 async fn build_fleet_store(
     config: &Config,
-    backend: &Arc<dyn Backend>,
+    backend: &BuiltBackend,
 ) -> Result<Option<Arc<dyn FleetStore>>, ServeError> {
     if !config.presence.enabled {
         return Ok(None);
@@ -156,11 +176,15 @@ async fn build_fleet_store(
         ttl: config.presence.ttl,
         retention: config.presence.retention,
     };
-    let _ = backend;
-    Ok(match config.backend_choice() {
-        BackendChoice::Memory(_) => Some(Arc::new(MemoryFleet::new(settings))),
-        BackendChoice::Redis(_) | BackendChoice::Nats(_) => None,
-    })
+    Ok(Some(match backend {
+        BuiltBackend::Memory(_) => Arc::new(MemoryFleet::new(settings)),
+        BuiltBackend::Redis(redis) => {
+            Arc::new(redis.fleet(settings).await.map_err(ServeError::Backend)?)
+        }
+        BuiltBackend::Nats(nats) => {
+            Arc::new(nats.fleet(settings).await.map_err(ServeError::Backend)?)
+        }
+    }))
 }
 
 /// A random name for this process, so that a pod restarted under the same name does not revive
@@ -187,7 +211,8 @@ pub fn serve(config: Config) -> Result<(), ServeError> {
         .transpose()
         .map_err(ServeError::Certificate)?;
     System::new().block_on(async move {
-        let backend = build_backend(&config).await?;
+        let built = build_backend(&config).await?;
+        let backend = built.shared();
         let metrics = Arc::new(Metrics::new(Registry::new(), backend.kind()));
         let groups = backend.groups();
         metrics.init_groups(groups.len());
@@ -221,7 +246,7 @@ pub fn serve(config: Config) -> Result<(), ServeError> {
             tail_stops.push(address.recipient());
         }
 
-        let fleet_store = build_fleet_store(&config, &backend).await?;
+        let fleet_store = build_fleet_store(&config, &built).await?;
         let fleet_arbiter = Arbiter::new();
         let fleet = fleet_store.map(|store| {
             let instance = instance_id();

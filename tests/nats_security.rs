@@ -519,9 +519,32 @@ const HUB_PERMISSIONS: &str = r#"{
           "$JS.API.STREAM.CREATE.POSTHORN_SUP",
           "$JS.API.STREAM.MSG.GET.POSTHORN_SUP",
           "posthorn.ev.*",
-          "posthorn.ev.sup.>"
+          "posthorn.ev.sup.>",
+          "$JS.API.STREAM.INFO.KV_POSTHORN_devices",
+          "$JS.API.STREAM.INFO.KV_POSTHORN_pods",
+          "$JS.API.STREAM.INFO.KV_POSTHORN_broadcasts",
+          "$JS.API.STREAM.CREATE.KV_POSTHORN_devices",
+          "$JS.API.STREAM.CREATE.KV_POSTHORN_pods",
+          "$JS.API.STREAM.CREATE.KV_POSTHORN_broadcasts",
+          "$JS.API.STREAM.UPDATE.KV_POSTHORN_devices",
+          "$JS.API.STREAM.UPDATE.KV_POSTHORN_pods",
+          "$JS.API.STREAM.UPDATE.KV_POSTHORN_broadcasts",
+          "$JS.API.DIRECT.GET.KV_POSTHORN_devices.>",
+          "$JS.API.DIRECT.GET.KV_POSTHORN_pods",
+          "$JS.API.DIRECT.GET.KV_POSTHORN_pods.>",
+          "$JS.API.DIRECT.GET.KV_POSTHORN_broadcasts.>",
+          "$JS.API.CONSUMER.CREATE.KV_POSTHORN_devices",
+          "$JS.API.CONSUMER.CREATE.KV_POSTHORN_pods",
+          "$JS.API.CONSUMER.MSG.NEXT.KV_POSTHORN_devices.*",
+          "$JS.API.CONSUMER.MSG.NEXT.KV_POSTHORN_pods.*",
+          "$JS.API.CONSUMER.DELETE.KV_POSTHORN_devices.*",
+          "$JS.API.CONSUMER.DELETE.KV_POSTHORN_pods.*",
+          "$KV.POSTHORN_devices.>",
+          "$KV.POSTHORN_pods.>",
+          "$KV.POSTHORN_broadcasts.>",
+          "posthorn.ev.fleet.pods"
         ] }
-        subscribe: { allow: [ "_INBOX.>" ] }
+        subscribe: { allow: [ "_INBOX.>", "posthorn.ev.fleet.pods" ] }
       }"#;
 const PRODUCER_PERMISSIONS: &str = r#"{
         publish: { allow: [ "posthorn.ev.*" ] }
@@ -701,6 +724,24 @@ async fn the_hub_needs_no_more_than_its_permissions() {
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     assert_eq!(live.expect_event(WAIT).await.data, "new life");
+    // The fleet store under the same rights: the streaming device is online (beats, presence
+    // writes), a listing and an ack work.
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let device = http::get(hub.addr(), "/v1/devices/pos-9").await;
+        assert_eq!(device.status, 200, "{}", device.text());
+        if device.json()["online"] == true {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "pos-9 never online: {}",
+            device.text()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let listing = http::get(hub.addr(), "/v1/devices?limit=10").await;
+    assert_eq!(listing.status, 200, "{}", listing.text());
     let violations = setup.violations_of("hub");
     assert!(violations.is_empty(), "{violations:#?}");
     assert!(

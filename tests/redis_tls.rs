@@ -565,6 +565,24 @@ async fn hub_runs_as_the_documented_acl_user() {
         !text.contains(&users.hub),
         "password in /admin/status: {text}"
     );
+    // The fleet store under the same rights: the streaming device is online (beats, presence
+    // writes), a listing and an ack work.
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let device = http::get(hub.addr(), "/v1/devices/pos-17").await;
+        assert_eq!(device.status, 200, "{}", device.text());
+        if device.json()["online"] == true {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "pos-17 never online: {}",
+            device.text()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let listing = http::get(hub.addr(), "/v1/devices?limit=10").await;
+    assert_eq!(listing.status, 200, "{}", listing.text());
     let denials = denied(&mut admin, "posthorn").await;
     assert!(denials.is_empty(), "denied to the hub: {denials:?}");
 

@@ -2,7 +2,7 @@
 //! acknowledgements) and the channel on which pods tell each other about connects, disconnects
 //! and their own liveness. Implemented by the memory backend (this pod only), Redis (shared keys
 //! and a pub/sub channel) and NATS (KV buckets and a core subject); docs/fleet.md describes the
-//! keys, and `tests/conformance/fleet.rs` holds every implementation to this contract.
+//! keys, and `tests/fleet_store.rs` holds every implementation to this contract.
 //!
 //! # Contract
 //! - **Sessions.** A device's record names its latest session: the pod (display name), the pod

@@ -53,6 +53,7 @@
 //!   periodic trim has nothing to do.
 
 mod connect;
+mod fleet;
 mod layout;
 mod message;
 mod supersede;
@@ -81,6 +82,7 @@ use bytes::Bytes;
 use futures_util::{future::BoxFuture, FutureExt, StreamExt};
 
 pub use connect::{NatsAccess, NatsFileError};
+pub use fleet::NatsFleet;
 pub use layout::{layout_of, Layout};
 
 use super::{
@@ -161,6 +163,14 @@ impl NatsBackend {
         Ok(Self {
             inner: Arc::new(inner),
         })
+    }
+}
+
+impl NatsBackend {
+    /// The fleet store on the backend's connection: KV buckets named after `nats.stream`,
+    /// created or updated here, and the channel subject (docs/fleet.md).
+    pub async fn fleet(&self, settings: super::fleet::FleetSettings) -> BackendResult<NatsFleet> {
+        NatsFleet::new(&self.inner, settings).await
     }
 }
 

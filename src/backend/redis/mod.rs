@@ -26,6 +26,7 @@
 //! - **Supersede**: the append script sets `<dev>/<sup>` of the shard's index hash
 //!   ([`Layout::supersede_key`]) to `<epoch> <id>` with the entry; a replay reads it with `HMGET`.
 
+mod fleet;
 mod layout;
 mod reply;
 mod scripts;
@@ -49,12 +50,13 @@ use fred::{
 use futures_util::{future::BoxFuture, FutureExt};
 use trimming::Trimming;
 
+pub use fleet::RedisFleet;
 pub use layout::Layout;
 pub use setup::{ConnectionSetup, SetupError};
 
 use super::{
-    trim_interval, Appended, Backend, BackendError, BackendResult, ItemFailure, ItemOutcome,
-    NewEvent, ReadPage, ShardState, SupersedeKey, Tail,
+    fleet::FleetSettings, trim_interval, Appended, Backend, BackendError, BackendResult,
+    ItemFailure, ItemOutcome, NewEvent, ReadPage, ShardState, SupersedeKey, Tail,
 };
 use crate::{
     config::RedisConfig,
@@ -229,6 +231,20 @@ impl RedisBackend {
             backend.inner.check(group, &shards, &[]).await?;
         }
         Ok(backend)
+    }
+}
+
+impl RedisBackend {
+    /// The fleet store on the backend's first client (the first instance of `redis.urls`, or
+    /// the cluster): the same TLS, user and password (docs/fleet.md).
+    pub async fn fleet(&self, settings: FleetSettings) -> BackendResult<RedisFleet> {
+        RedisFleet::new(
+            self.inner.clients[0].clone(),
+            self.inner.layout.cluster,
+            self.inner.layout.prefix.clone(),
+            settings,
+        )
+        .await
     }
 }
 

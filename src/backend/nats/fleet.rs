@@ -1,0 +1,716 @@
+//! The fleet store on NATS (docs/fleet.md, "NATS buckets and subject"): three KV buckets named
+//! after `nats.stream` and a core NATS subject for the pods' channel. The contract is the module
+//! doc of `backend::fleet`.
+//!
+//! - **Buckets.** `{stream}_devices` (one JSON record per device, max age = retention),
+//!   `{stream}_pods` (one entry per instance: its last beat, max age = retention) and
+//!   `{stream}_broadcasts` (the copies of a broadcast, max age = retention). Created or updated
+//!   at start-up.
+//! - **Keys.** KV keys take neither `:` nor a `.` at either end, which device ids may hold: a
+//!   device's key escapes `.` as `=2E` and `:` as `=3A` (`=` is no device id character).
+//! - **Clock.** nats-server 2.9 has no per-key TTL, so liveness compares an instance's last beat
+//!   (the server's timestamp of its entry) with the server's time now, which this store
+//!   estimates as its own clock plus the offset measured at its last beat (a put read back).
+//! - **Compare and set.** Every change of a device record reads the entry and writes it back
+//!   with the revision it read (`Nats-Expected-Last-Subject-Sequence`), retrying on a conflict:
+//!   acks only move forward, and a late `Offline` of a replaced session changes nothing.
+//! - **Channel.** `{subject_prefix}.fleet.pods`: two tokens after the prefix, so the event
+//!   stream's filter `{subject_prefix}.*` does not capture it.
+
+use std::{
+    collections::BTreeMap,
+    sync::atomic::{AtomicI64, AtomicU64, Ordering},
+    time::Duration,
+};
+
+use async_nats::jetstream::{
+    self,
+    consumer::{pull, AckPolicy, DeliverPolicy},
+    kv::{self, Operation, UpdateErrorKind},
+};
+use bytes::Bytes;
+use futures_util::{future::BoxFuture, stream::BoxStream, FutureExt, StreamExt};
+use serde::{Deserialize, Serialize};
+
+use super::{unavailable, Inner};
+use crate::{
+    backend::{
+        fleet::{
+            ack_moves, AckOutcome, DevicePage, DeviceRecord, FleetMessage, FleetSettings,
+            FleetStore, OnlineFilter, PresenceWrite, Session,
+        },
+        BackendError, BackendResult,
+    },
+    model::{unix_ms, Cursor, DeviceId},
+};
+
+/// Tries of one compare-and-set before the change fails (each loses only to another writer of
+/// the same device, which then made progress).
+const CAS_TRIES: usize = 16;
+/// Messages per fetch of a listing's consumer.
+const FETCH_MAX: usize = 1000;
+/// A listing consumer whose deletion failed is removed by the server after this.
+const LIST_CONSUMER_IDLE: Duration = Duration::from_secs(10);
+/// Longest listing read.
+const LIST_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// A device's record as stored (JSON).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct Stored {
+    session: Session,
+    ended_ms: Option<u64>,
+    last_sent: Option<String>,
+    acked: Option<String>,
+    acked_ms: Option<u64>,
+}
+
+/// An instance's beat as stored (JSON); when is the entry's timestamp.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct Beat {
+    pod: String,
+    stopping: bool,
+}
+
+pub struct NatsFleet {
+    client: async_nats::Client,
+    jetstream: jetstream::Context,
+    devices: kv::Store,
+    pods: kv::Store,
+    broadcasts: kv::Store,
+    devices_stream: String,
+    pods_stream: String,
+    subject: String,
+    settings: FleetSettings,
+    /// The server's clock minus ours (ms), as measured at the last beat.
+    offset_ms: AtomicI64,
+    /// Waves of requests so far (requests sent together and awaited together count once).
+    round_trips: AtomicU64,
+}
+
+/// The key of `device` in the devices bucket.
+fn device_key(device: &str) -> String {
+    device.replace('.', "=2E").replace(':', "=3A")
+}
+
+fn device_of_key(key: &str) -> Option<DeviceId> {
+    DeviceId::parse(&key.replace("=3A", ":").replace("=2E", ".")).ok()
+}
+
+/// Unix ms of a server timestamp in ns.
+fn ms_of(nanos: i128) -> i64 {
+    (nanos / 1_000_000) as i64
+}
+
+fn bad(what: &str) -> BackendError {
+    BackendError::rejected(format!("nats: unexpected {what} in the fleet store"))
+}
+
+impl NatsFleet {
+    pub(super) async fn new(inner: &Inner, settings: FleetSettings) -> BackendResult<Self> {
+        let stream = &inner.layout.stream;
+        // The stream of a KV bucket as async-nats would create it, made here: its
+        // `create_key_value` first asks for the account's info, whose answer from nats-server
+        // 2.9 it cannot read.
+        let bucket = |name: &str, description: &str| jetstream::stream::Config {
+            name: format!("KV_{stream}_{name}"),
+            description: Some(description.to_owned()),
+            subjects: vec![format!("$KV.{stream}_{name}.>")],
+            max_messages_per_subject: 1,
+            max_age: settings.retention,
+            storage: jetstream::stream::StorageType::File,
+            num_replicas: inner.settings.nats.replicas,
+            allow_rollup: true,
+            deny_delete: true,
+            allow_direct: true,
+            discard: jetstream::stream::DiscardPolicy::New,
+            ..Default::default()
+        };
+        let open = |config: jetstream::stream::Config| {
+            let jetstream = inner.jetstream.clone();
+            async move {
+                let name = config.name.clone();
+                jetstream
+                    .create_or_update_stream(config)
+                    .await
+                    .map_err(|error| unavailable(&format!("bucket stream {name}"), error))?;
+                let bucket = name.trim_start_matches("KV_").to_owned();
+                jetstream
+                    .get_key_value(&bucket)
+                    .await
+                    .map_err(|error| unavailable(&format!("bucket {bucket}"), error))
+            }
+        };
+        let devices = open(bucket("devices", "posthorn fleet: device records")).await?;
+        let pods = open(bucket("pods", "posthorn fleet: beats of pod instances")).await?;
+        let broadcasts = open(bucket("broadcasts", "posthorn fleet: broadcast copies")).await?;
+        let fleet = Self {
+            client: inner.client.clone(),
+            jetstream: inner.jetstream.clone(),
+            devices,
+            pods,
+            broadcasts,
+            devices_stream: format!("KV_{stream}_devices"),
+            pods_stream: format!("KV_{stream}_pods"),
+            subject: format!("{}.fleet.pods", inner.layout.prefix),
+            settings,
+            offset_ms: AtomicI64::new(0),
+            round_trips: AtomicU64::new(0),
+        };
+        fleet.measure_clock().await?;
+        Ok(fleet)
+    }
+
+    /// Waves of requests so far: a batch of presence writes is two (reads, then writes).
+    pub fn round_trips(&self) -> u64 {
+        self.round_trips.load(Ordering::Relaxed)
+    }
+
+    fn trip(&self) {
+        self.round_trips.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// The server's time now (ms), from our clock and the measured offset.
+    fn server_now(&self) -> i64 {
+        unix_ms() as i64 + self.offset_ms.load(Ordering::Relaxed)
+    }
+
+    /// Puts the clock probe and reads it back: its timestamp is the server's time.
+    async fn measure_clock(&self) -> BackendResult<()> {
+        self.stamp("clock", Bytes::from_static(b"{}"))
+            .await
+            .map(|_| ())
+    }
+
+    /// Puts `value` under `key` of the pods bucket, reads back the server's timestamp, updates
+    /// the offset and returns the timestamp (ms).
+    async fn stamp(&self, key: &str, value: Bytes) -> BackendResult<i64> {
+        let before = unix_ms() as i64;
+        self.trip();
+        let revision = self
+            .pods
+            .put(key, value)
+            .await
+            .map_err(|error| unavailable("beat", error))?;
+        self.trip();
+        let entry = self
+            .pods
+            .entry_for_revision(key, revision)
+            .await
+            .map_err(|error| unavailable("beat", error))?
+            .ok_or_else(|| bad("missing beat"))?;
+        let after = unix_ms() as i64;
+        let stamped = ms_of(entry.created.unix_timestamp_nanos());
+        self.offset_ms
+            .store(stamped - (before + after) / 2, Ordering::Relaxed);
+        Ok(stamped)
+    }
+
+    /// The device's stored record and its revision (`None`: none, or deleted).
+    async fn read(&self, key: &str) -> BackendResult<(Option<Stored>, Option<u64>)> {
+        let entry = self
+            .devices
+            .entry(key)
+            .await
+            .map_err(|error| unavailable("device read", error))?;
+        Ok(match entry {
+            Some(entry) if entry.operation == Operation::Put => (
+                serde_json::from_slice(&entry.value).ok(),
+                Some(entry.revision),
+            ),
+            Some(entry) => (None, Some(entry.revision)),
+            None => (None, None),
+        })
+    }
+
+    /// Applies `change` to the device's record with compare-and-set; `change` answers the new
+    /// record (or `None`: nothing to write) and a value handed back to the caller.
+    async fn modify<T>(
+        &self,
+        key: &str,
+        change: impl Fn(Option<Stored>) -> (Option<Stored>, T),
+    ) -> BackendResult<T> {
+        for _ in 0..CAS_TRIES {
+            let (stored, revision) = self.read(key).await?;
+            let (new, answer) = change(stored);
+            let Some(new) = new else {
+                return Ok(answer);
+            };
+            let value = Bytes::from(
+                serde_json::to_vec(&new).map_err(|error| unavailable("device record", error))?,
+            );
+            let written = match revision {
+                Some(revision) => self.devices.update(key, value, revision).await,
+                None => self
+                    .devices
+                    .create(key, value)
+                    .await
+                    .map_err(|error| match error.kind() {
+                        kv::CreateErrorKind::AlreadyExists => {
+                            kv::UpdateError::new(UpdateErrorKind::WrongLastRevision)
+                        }
+                        _ => kv::UpdateError::with_source(UpdateErrorKind::Other, error),
+                    }),
+            };
+            match written {
+                Ok(_) => return Ok(answer),
+                // Another writer came first: read again.
+                Err(error) if error.kind() == UpdateErrorKind::WrongLastRevision => continue,
+                Err(error) => return Err(unavailable("device write", error)),
+            }
+        }
+        Err(BackendError::unavailable(format!(
+            "nats: device record {key} kept changing under {CAS_TRIES} tries"
+        )))
+    }
+
+    async fn write(&self, changes: Vec<PresenceWrite>) -> BackendResult<()> {
+        // Per device, its changes in order; devices in parallel (one wave of reads, one of
+        // writes, plus one per conflict).
+        let mut per_device: BTreeMap<DeviceId, Vec<PresenceWrite>> = BTreeMap::new();
+        for change in changes {
+            let device = match &change {
+                PresenceWrite::Online(session) => session.device.clone(),
+                PresenceWrite::Offline { session, .. } | PresenceWrite::Sent { session, .. } => {
+                    session.device.clone()
+                }
+            };
+            per_device.entry(device).or_default().push(change);
+        }
+        if per_device.is_empty() {
+            return Ok(());
+        }
+        self.trip();
+        self.trip();
+        let writes = per_device.into_iter().map(|(device, changes)| async move {
+            let key = device_key(device.as_str());
+            self.modify(&key, |stored| {
+                let mut record = stored;
+                let mut changed = false;
+                for change in &changes {
+                    changed |= apply(&mut record, change);
+                }
+                (if changed { record } else { None }, ())
+            })
+            .await
+        });
+        for result in futures_util::future::join_all(writes).await {
+            result?;
+        }
+        Ok(())
+    }
+
+    async fn beat(&self, pod: &str, instance: &str, stopping: bool) -> BackendResult<()> {
+        let value = serde_json::to_vec(&Beat {
+            pod: pod.to_owned(),
+            stopping,
+        })
+        .map_err(|error| unavailable("beat", error))?;
+        self.stamp(instance, Bytes::from(value)).await.map(|_| ())
+    }
+
+    /// An instance's last beat (server ms) and whether it said it stops.
+    async fn beat_of(&self, instance: &str) -> BackendResult<Option<(i64, bool)>> {
+        if instance.is_empty() {
+            return Ok(None);
+        }
+        let entry = self
+            .pods
+            .entry(instance)
+            .await
+            .map_err(|error| unavailable("beat read", error))?;
+        Ok(entry
+            .filter(|entry| entry.operation == Operation::Put)
+            .and_then(|entry| {
+                let beat: Beat = serde_json::from_slice(&entry.value).ok()?;
+                Some((ms_of(entry.created.unix_timestamp_nanos()), beat.stopping))
+            }))
+    }
+
+    async fn device(&self, device: &DeviceId) -> BackendResult<Option<DeviceRecord>> {
+        let (stored, _) = self.read(&device_key(device.as_str())).await?;
+        let Some(stored) = stored else {
+            return Ok(None);
+        };
+        let beat = self.beat_of(&stored.session.instance).await?;
+        Ok(Some(self.record(device, stored, beat)))
+    }
+
+    fn record(&self, device: &DeviceId, stored: Stored, beat: Option<(i64, bool)>) -> DeviceRecord {
+        let now = self.server_now();
+        let alive = beat.is_some_and(|(at, stopping)| {
+            !stopping && now - at < self.settings.ttl.as_millis() as i64
+        });
+        let online = stored.ended_ms.is_none() && alive;
+        let last_seen_ms = match (stored.ended_ms, online) {
+            (Some(ended), _) => ended,
+            (None, true) => now.max(0) as u64,
+            (None, false) => beat.map_or(stored.session.connected_ms, |(at, _)| at.max(0) as u64),
+        };
+        let cursor = |text: &Option<String>| text.as_deref().and_then(|t| Cursor::parse(t).ok());
+        DeviceRecord {
+            device: device.clone(),
+            online,
+            pod: stored.session.pod.clone(),
+            instance: stored.session.instance.clone(),
+            session: stored.session.session,
+            connected_ms: stored.session.connected_ms,
+            last_seen_ms,
+            remote: stored.session.remote.clone(),
+            user_agent: stored.session.user_agent.clone(),
+            last_sent: cursor(&stored.last_sent),
+            acked: cursor(&stored.acked),
+            acked_ms: stored.acked_ms,
+        }
+    }
+
+    /// The latest value of every key of a bucket's stream (subject `$KV.{bucket}.{key}`) and
+    /// its timestamp, read through one ephemeral pull consumer.
+    async fn read_all(&self, stream: &str) -> BackendResult<Vec<(String, Bytes, i64)>> {
+        self.trip();
+        let consumer = self
+            .jetstream
+            .create_consumer_on_stream(
+                pull::Config {
+                    deliver_policy: DeliverPolicy::LastPerSubject,
+                    // Required with last-per-subject: every key of the bucket.
+                    filter_subject: format!("$KV.{}.>", stream.trim_start_matches("KV_")),
+                    ack_policy: AckPolicy::None,
+                    memory_storage: true,
+                    inactive_threshold: LIST_CONSUMER_IDLE,
+                    ..Default::default()
+                },
+                stream,
+            )
+            .await
+            .map_err(|error| unavailable("create a listing consumer", error))?;
+        let info = consumer.cached_info();
+        let name = info.name.clone();
+        let mut pending = info.num_pending;
+        let mut entries = Vec::with_capacity(pending as usize);
+        let fetched = async {
+            while pending > 0 {
+                let want = pending.min(FETCH_MAX as u64) as usize;
+                let mut batch = consumer
+                    .fetch()
+                    .max_messages(want)
+                    .messages()
+                    .await
+                    .map_err(|error| unavailable("fetch", error))?;
+                let mut got = 0;
+                while let Some(message) = batch.next().await {
+                    let message = message.map_err(|error| unavailable("fetch", error))?;
+                    got += 1;
+                    let deleted = message
+                        .headers
+                        .as_ref()
+                        .is_some_and(|headers| headers.get("KV-Operation").is_some());
+                    let published = message
+                        .info()
+                        .map_err(|error| unavailable("message info", error))?
+                        .published;
+                    // `$KV.{bucket}.{key}`: the key is everything after the second dot.
+                    let key = message.subject.splitn(3, '.').nth(2).map(str::to_owned);
+                    if let (Some(key), false) = (key, deleted) {
+                        entries.push((
+                            key,
+                            message.payload.clone(),
+                            ms_of(published.unix_timestamp_nanos()),
+                        ));
+                    }
+                }
+                if got == 0 {
+                    // Max age removed what was pending when the consumer was created.
+                    break;
+                }
+                pending = pending.saturating_sub(got);
+            }
+            Ok::<_, BackendError>(())
+        };
+        let outcome = tokio::time::timeout(LIST_TIMEOUT, fetched).await;
+        if let Err(error) = self
+            .jetstream
+            .delete_consumer_from_stream(&name, stream)
+            .await
+        {
+            log::debug!("nats: listing consumer {name} is left to expire: {error}");
+        }
+        match outcome {
+            Ok(Ok(())) => Ok(entries),
+            Ok(Err(error)) => Err(error),
+            Err(_) => Err(BackendError::unavailable(
+                "nats: a fleet listing did not complete in time",
+            )),
+        }
+    }
+
+    async fn list(
+        &self,
+        filter: OnlineFilter,
+        limit: usize,
+        cursor: Option<&str>,
+    ) -> BackendResult<DevicePage> {
+        let limit = limit.max(1);
+        let after = cursor.and_then(|cursor| DeviceId::parse(cursor).ok());
+        // Every record, then every beat: a page costs a read of the whole bucket (docs/fleet.md).
+        let (records, beats) = futures_util::future::try_join(
+            self.read_all(&self.devices_stream),
+            self.read_all(&self.pods_stream),
+        )
+        .await?;
+        let beats: std::collections::HashMap<String, (i64, bool)> = beats
+            .into_iter()
+            .filter_map(|(instance, value, at)| {
+                let beat: Beat = serde_json::from_slice(&value).ok()?;
+                Some((instance, (at, beat.stopping)))
+            })
+            .collect();
+        let mut devices: BTreeMap<DeviceId, Stored> = records
+            .into_iter()
+            .filter_map(|(key, value, _)| {
+                Some((device_of_key(&key)?, serde_json::from_slice(&value).ok()?))
+            })
+            .collect();
+        if let Some(after) = &after {
+            devices = devices.split_off(after);
+            devices.remove(after);
+        }
+        let more = devices.len() > limit;
+        let mut page = Vec::new();
+        let mut last = None;
+        for (device, stored) in devices.into_iter().take(limit) {
+            let beat = beats.get(&stored.session.instance).copied();
+            let record = self.record(&device, stored, beat);
+            if filter.admits(record.online) {
+                page.push(record);
+            }
+            last = Some(device);
+        }
+        Ok(DevicePage {
+            devices: page,
+            next: last.filter(|_| more).map(|device| device.to_string()),
+        })
+    }
+
+    async fn ack(
+        &self,
+        device: &DeviceId,
+        cursor: &Cursor,
+        at_ms: u64,
+    ) -> BackendResult<AckOutcome> {
+        let text = cursor.to_string();
+        self.modify(&device_key(device.as_str()), |stored| {
+            let mut stored = stored.unwrap_or_else(|| Stored {
+                session: Session {
+                    device: device.clone(),
+                    pod: String::new(),
+                    instance: String::new(),
+                    session: 0,
+                    connected_ms: 0,
+                    remote: String::new(),
+                    user_agent: String::new(),
+                },
+                ended_ms: Some(at_ms),
+                last_sent: None,
+                acked: None,
+                acked_ms: None,
+            });
+            let current = stored.acked.as_deref().and_then(|t| Cursor::parse(t).ok());
+            if !ack_moves(current.as_ref(), cursor) {
+                return (None, AckOutcome::Stale);
+            }
+            stored.acked = Some(text.clone());
+            stored.acked_ms = Some(at_ms);
+            (Some(stored), AckOutcome::Moved)
+        })
+        .await
+    }
+
+    async fn record_broadcast(&self, copies: Vec<Cursor>) -> BackendResult<()> {
+        let Some(id) = copies.first() else {
+            return Ok(());
+        };
+        let text = copies
+            .iter()
+            .map(Cursor::to_string)
+            .collect::<Vec<_>>()
+            .join(" ");
+        self.broadcasts
+            .put(id.to_string(), Bytes::from(text))
+            .await
+            .map(|_| ())
+            .map_err(|error| unavailable("broadcast copies", error))
+    }
+
+    async fn broadcast_copies(&self, id: &Cursor) -> BackendResult<Option<Vec<Cursor>>> {
+        let Some(value) = self
+            .broadcasts
+            .get(id.to_string())
+            .await
+            .map_err(|error| unavailable("broadcast copies", error))?
+        else {
+            return Ok(None);
+        };
+        let text = std::str::from_utf8(&value).map_err(|_| bad("broadcast copies"))?;
+        text.split(' ')
+            .map(|copy| Cursor::parse(copy).map_err(|_| bad("broadcast copy")))
+            .collect::<BackendResult<Vec<_>>>()
+            .map(Some)
+    }
+
+    async fn announce(&self, messages: Vec<FleetMessage>) -> BackendResult<()> {
+        if messages.is_empty() {
+            return Ok(());
+        }
+        let payload = serde_json::to_vec(&messages)
+            .map_err(|error| BackendError::rejected(format!("fleet message: {error}")))?;
+        self.client
+            .publish(self.subject.clone(), Bytes::from(payload))
+            .await
+            .map_err(|error| unavailable("fleet channel", error))
+    }
+
+    /// A core subscription: the client subscribes again by itself after a reconnection.
+    async fn subscribe(&self) -> BackendResult<BoxStream<'static, FleetMessage>> {
+        let subscriber = self
+            .client
+            .subscribe(self.subject.clone())
+            .await
+            .map_err(|error| unavailable("fleet channel", error))?;
+        // The server handles a connection's messages in order: once it answered a request sent
+        // after the SUB, it has the interest, and whatever any pod announces from now on
+        // reaches it. (`flush` only empties the client's buffer.)
+        self.trip();
+        self.pods
+            .entry("clock")
+            .await
+            .map_err(|error| unavailable("fleet channel", error))?;
+        Ok(subscriber
+            .filter_map(|message| async move {
+                match serde_json::from_slice::<Vec<FleetMessage>>(&message.payload) {
+                    Ok(batch) => Some(futures_util::stream::iter(batch)),
+                    Err(error) => {
+                        log::warn!("nats: a fleet channel message that is not ours: {error}");
+                        None
+                    }
+                }
+            })
+            .flatten()
+            .boxed())
+    }
+}
+
+/// Applies one change to a device's record; answers whether it changed it.
+fn apply(record: &mut Option<Stored>, change: &PresenceWrite) -> bool {
+    let same = |stored: &Stored, instance: &str, session: u64| {
+        stored.session.instance == instance && stored.session.session == session
+    };
+    match change {
+        PresenceWrite::Online(session) => {
+            let (acked, acked_ms) = record
+                .as_ref()
+                .map(|stored| (stored.acked.clone(), stored.acked_ms))
+                .unwrap_or_default();
+            *record = Some(Stored {
+                session: session.clone(),
+                ended_ms: None,
+                last_sent: None,
+                acked,
+                acked_ms,
+            });
+            true
+        }
+        PresenceWrite::Offline {
+            session,
+            at_ms,
+            last_sent,
+        } => match record {
+            Some(stored) if same(stored, &session.instance, session.session) => {
+                stored.ended_ms = Some(*at_ms);
+                if let Some(last_sent) = last_sent {
+                    stored.last_sent = Some(last_sent.to_string());
+                }
+                true
+            }
+            _ => false,
+        },
+        PresenceWrite::Sent { session, last_sent } => match record {
+            Some(stored) if same(stored, &session.instance, session.session) => {
+                stored.last_sent = Some(last_sent.to_string());
+                true
+            }
+            _ => false,
+        },
+    }
+}
+
+impl FleetStore for NatsFleet {
+    fn write(&self, changes: Vec<PresenceWrite>) -> BoxFuture<'_, BackendResult<()>> {
+        self.write(changes).boxed()
+    }
+
+    fn beat(&self, pod: &str, instance: &str, stopping: bool) -> BoxFuture<'_, BackendResult<()>> {
+        let (pod, instance) = (pod.to_owned(), instance.to_owned());
+        async move { self.beat(&pod, &instance, stopping).await }.boxed()
+    }
+
+    fn device(&self, device: &DeviceId) -> BoxFuture<'_, BackendResult<Option<DeviceRecord>>> {
+        let device = device.clone();
+        async move { self.device(&device).await }.boxed()
+    }
+
+    fn list(
+        &self,
+        filter: OnlineFilter,
+        limit: usize,
+        cursor: Option<&str>,
+    ) -> BoxFuture<'_, BackendResult<DevicePage>> {
+        let cursor = cursor.map(str::to_owned);
+        async move { self.list(filter, limit, cursor.as_deref()).await }.boxed()
+    }
+
+    fn ack(
+        &self,
+        device: &DeviceId,
+        cursor: &Cursor,
+        at_ms: u64,
+    ) -> BoxFuture<'_, BackendResult<AckOutcome>> {
+        let (device, cursor) = (device.clone(), cursor.clone());
+        async move { self.ack(&device, &cursor, at_ms).await }.boxed()
+    }
+
+    fn record_broadcast(&self, copies: Vec<Cursor>) -> BoxFuture<'_, BackendResult<()>> {
+        self.record_broadcast(copies).boxed()
+    }
+
+    fn broadcast_copies(&self, id: &Cursor) -> BoxFuture<'_, BackendResult<Option<Vec<Cursor>>>> {
+        let id = id.clone();
+        async move { self.broadcast_copies(&id).await }.boxed()
+    }
+
+    fn announce(&self, messages: Vec<FleetMessage>) -> BoxFuture<'_, BackendResult<()>> {
+        self.announce(messages).boxed()
+    }
+
+    fn subscribe(&self) -> BoxFuture<'_, BackendResult<BoxStream<'static, FleetMessage>>> {
+        self.subscribe().boxed()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every device id has a valid KV key that reads back to it; escaped keys do not collide.
+    #[test]
+    fn device_keys_round_trip() {
+        for id in ["pos-17", "a.b", ".x.", "a:b", "a=2Eb", "store:1.lane_2"] {
+            let Ok(device) = DeviceId::parse(id) else {
+                continue;
+            };
+            let key = device_key(id);
+            assert!(!key.contains(':') && !key.starts_with('.') && !key.ends_with('.'));
+            assert_eq!(device_of_key(&key), Some(device), "{id}");
+        }
+        assert_ne!(device_key("a.b"), device_key("a:b"));
+    }
+}

@@ -1,0 +1,883 @@
+//! The fleet store suite: every scenario of the `FleetStore` contract (the module doc of
+//! `src/backend/fleet/mod.rs`, docs/fleet.md) is written once, as `async fn(&mut Env)`, and runs
+//! as one test per store: `<scenario>::memory`, `<scenario>::redis_standalone`,
+//! `<scenario>::redis_cluster` and `<scenario>::nats`, against real servers
+//! (tests/support). Stores are built as the hub builds them: from a connected backend
+//! (`RedisBackend::fleet`, `NatsBackend::fleet`); two stores on one server are two pods.
+//!
+//! What a store cannot do (the memory store has no server to restart and no round trips to
+//! count) is said on stderr by the scenario: `cargo test --test fleet_store -- --nocapture`.
+
+#[path = "support/mod.rs"]
+mod support;
+
+use std::{collections::BTreeSet, sync::Arc, time::Duration};
+
+use futures_util::{stream::BoxStream, StreamExt};
+use posthorn::{
+    backend::{
+        fleet::{
+            memory::MemoryFleet, AckOutcome, FleetMessage, FleetSettings, FleetStore, OnlineFilter,
+            PresenceWrite, Session, SessionRef,
+        },
+        nats::{NatsAccess, NatsBackend, NatsSettings},
+        redis::{ConnectionSetup, RedisBackend, RedisSettings},
+    },
+    config::{Config, RedactedUrl},
+    model::{unix_ms, Cursor, DeviceId, Epoch, Position},
+};
+use support::{nats::NatsServer, RedisCluster, RedisServer};
+
+/// Upper bound for anything a store should do promptly.
+const WAIT: Duration = Duration::from_secs(20);
+
+/// Long enough that nothing expires during a scenario that does not wait for it.
+const SETTINGS: FleetSettings = FleetSettings {
+    ttl: Duration::from_secs(10),
+    retention: Duration::from_secs(600),
+};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    Memory,
+    RedisStandalone,
+    RedisCluster,
+    Nats,
+}
+
+enum Servers {
+    Memory(Option<Arc<MemoryFleet>>),
+    Redis(RedisServer),
+    Cluster(RedisCluster),
+    Nats(NatsServer),
+}
+
+/// One store kind for one scenario: its servers and the pods (stores) built on them.
+pub struct Env {
+    kind: Kind,
+    servers: Servers,
+    scenario: &'static str,
+}
+
+/// One pod's store, and how to count its round trips (`None`: the store has none).
+pub struct Pod {
+    store: Arc<dyn FleetStore>,
+    round_trips: Box<dyn Fn() -> Option<u64> + Send + Sync>,
+    /// Keeps the backend (and its connections) of a shared store alive.
+    _backend: Option<Box<dyn std::any::Any + Send + Sync>>,
+}
+
+impl std::ops::Deref for Pod {
+    type Target = dyn FleetStore;
+    fn deref(&self) -> &Self::Target {
+        &*self.store
+    }
+}
+
+impl Env {
+    async fn start(kind: Kind, scenario: &'static str) -> Option<Env> {
+        let servers = match kind {
+            Kind::Memory => Servers::Memory(None),
+            // AOF: a restart keeps what was written.
+            Kind::RedisStandalone => {
+                Servers::Redis(RedisServer::builder().appendonly(true).start().await)
+            }
+            Kind::RedisCluster => Servers::Cluster(RedisCluster::start_persistent(3).await),
+            Kind::Nats => Servers::Nats(NatsServer::start().await?),
+        };
+        Some(Env {
+            kind,
+            servers,
+            scenario,
+        })
+    }
+
+    /// Says on stderr which part of the scenario does not apply to this store.
+    fn cannot(&self, part: &str) {
+        eprintln!(
+            "{}::{:?}: {part} does not apply to this store",
+            self.scenario, self.kind
+        );
+    }
+
+    /// A new pod's store over the env's servers (memory: the one store of the one pod).
+    async fn pod(&mut self, settings: FleetSettings) -> Pod {
+        let mut config = Config::default();
+        match &mut self.servers {
+            Servers::Memory(store) => {
+                let store = store
+                    .get_or_insert_with(|| Arc::new(MemoryFleet::new(settings)))
+                    .clone();
+                Pod {
+                    store,
+                    round_trips: Box::new(|| None),
+                    _backend: None,
+                }
+            }
+            Servers::Redis(_) | Servers::Cluster(_) => {
+                let (url, cluster) = match &self.servers {
+                    Servers::Redis(redis) => (redis.url(), false),
+                    Servers::Cluster(cluster) => (cluster.seed_url(), true),
+                    _ => unreachable!(),
+                };
+                config.redis.url = RedactedUrl::new(&url);
+                config.redis.cluster = cluster;
+                let setup = ConnectionSetup::read(&config.redis).expect("redis setup");
+                let backend = RedisBackend::connect(
+                    RedisSettings {
+                        redis: config.redis.clone(),
+                        dedupe_window: Duration::from_secs(60),
+                    },
+                    &setup,
+                )
+                .await
+                .expect("connect to redis");
+                let store = Arc::new(backend.fleet(settings).await.expect("redis fleet"));
+                let counted = store.clone();
+                Pod {
+                    store,
+                    round_trips: Box::new(move || Some(counted.round_trips())),
+                    _backend: Some(Box::new(backend)),
+                }
+            }
+            Servers::Nats(nats) => {
+                config.nats.url = vec![RedactedUrl::new(nats.url())];
+                let access = NatsAccess::load(&config.nats).expect("nats access");
+                let backend = NatsBackend::connect(
+                    NatsSettings {
+                        nats: config.nats.clone(),
+                        dedupe_window: Duration::from_secs(60),
+                    },
+                    access,
+                )
+                .await
+                .expect("connect to nats");
+                let store = Arc::new(backend.fleet(settings).await.expect("nats fleet"));
+                let counted = store.clone();
+                Pod {
+                    store,
+                    round_trips: Box::new(move || Some(counted.round_trips())),
+                    _backend: Some(Box::new(backend)),
+                }
+            }
+        }
+    }
+
+    /// Restarts the store's servers (keeping their data); `false` for memory.
+    async fn restart(&mut self) -> bool {
+        match &mut self.servers {
+            Servers::Memory(_) => return false,
+            Servers::Redis(redis) => redis.restart().await,
+            Servers::Cluster(cluster) => {
+                for i in 0..cluster.nodes().len() {
+                    cluster.node_mut(i).restart().await;
+                }
+                cluster.wait_ok().await;
+            }
+            Servers::Nats(nats) => nats.restart().await,
+        }
+        true
+    }
+
+    /// EVAL calls the standalone Redis server has run so far (`INFO commandstats`).
+    async fn redis_evals(&self) -> Option<u64> {
+        let Servers::Redis(redis) = &self.servers else {
+            return None;
+        };
+        let stats = redis
+            .client()
+            .await
+            .info_map(&["INFO", "commandstats"])
+            .await;
+        let eval = stats
+            .iter()
+            .find(|(name, _)| name == "cmdstat_eval")
+            .map(|(_, value)| value.clone())
+            .unwrap_or_default();
+        Some(
+            eval.split(',')
+                .find_map(|part| part.strip_prefix("calls="))
+                .map_or(0, |calls| calls.parse().expect("calls")),
+        )
+    }
+}
+
+fn device(name: &str) -> DeviceId {
+    DeviceId::parse(name).expect("device id")
+}
+
+fn session(name: &str, instance: &str, id: u64) -> Session {
+    Session {
+        device: device(name),
+        pod: format!("pod-{instance}"),
+        instance: instance.to_owned(),
+        session: id,
+        connected_ms: unix_ms(),
+        remote: "192.0.2.7".into(),
+        user_agent: "test-terminal/1".into(),
+    }
+}
+
+fn reference(session: &Session) -> SessionRef {
+    SessionRef {
+        device: session.device.clone(),
+        instance: session.instance.clone(),
+        session: session.session,
+    }
+}
+
+fn cursor(epoch: &str, shard: u32, ms: u64, seq: u64) -> Cursor {
+    Cursor::new(
+        Epoch::new(epoch).expect("epoch"),
+        shard,
+        Position::new(ms, seq),
+    )
+}
+
+fn offline(session: &Session, last_sent: Option<Cursor>) -> PresenceWrite {
+    PresenceWrite::Offline {
+        session: reference(session),
+        at_ms: unix_ms(),
+        last_sent,
+    }
+}
+
+/// Asserts `at` lies within `[from, to]`, with a margin for the store's clock (same host).
+fn assert_between(at: u64, from: u64, to: u64, what: &str) {
+    const MARGIN: u64 = 150;
+    assert!(
+        at + MARGIN >= from && at <= to + MARGIN,
+        "{what}: {at} is not within [{from}, {to}]"
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Scenarios
+
+/// `Online` makes a device online (its pod beating) with its session's details; `Sent` records
+/// progress; `last_seen` of an online device is the read.
+pub async fn online_after_online(env: &mut Env) {
+    let pod = env.pod(SETTINGS).await;
+    pod.beat("a", "inst-a", false).await.expect("beat");
+    let s = session("pos-1", "inst-a", 7);
+    pod.write(vec![PresenceWrite::Online(s.clone())])
+        .await
+        .expect("write");
+    let sent = cursor("e1", 3, 100, 2);
+    pod.write(vec![PresenceWrite::Sent {
+        session: reference(&s),
+        last_sent: sent.clone(),
+    }])
+    .await
+    .expect("write");
+    let before = unix_ms();
+    let record = pod.device(&s.device).await.expect("read").expect("known");
+    let after = unix_ms();
+    assert!(record.online, "{record:?}");
+    assert_eq!(
+        (
+            record.pod.as_str(),
+            record.instance.as_str(),
+            record.session,
+            record.connected_ms
+        ),
+        ("pod-inst-a", "inst-a", 7, s.connected_ms)
+    );
+    assert_eq!(
+        (record.remote.as_str(), record.user_agent.as_str()),
+        ("192.0.2.7", "test-terminal/1")
+    );
+    assert_eq!(record.last_sent, Some(sent));
+    assert_eq!((record.acked, record.acked_ms), (None, None));
+    assert_between(
+        record.last_seen_ms,
+        before,
+        after,
+        "last_seen of an online device",
+    );
+}
+
+/// `Offline` of the record's own session ends it: offline, last seen at its end, progress kept.
+pub async fn offline_after_offline_of_the_same_session(env: &mut Env) {
+    let pod = env.pod(SETTINGS).await;
+    pod.beat("a", "inst-a", false).await.expect("beat");
+    let s = session("pos-2", "inst-a", 1);
+    let sent = cursor("e1", 0, 5, 0);
+    let end = offline(&s, Some(sent.clone()));
+    let PresenceWrite::Offline { at_ms, .. } = &end else {
+        unreachable!()
+    };
+    let at_ms = *at_ms;
+    pod.write(vec![PresenceWrite::Online(s.clone()), end])
+        .await
+        .expect("write");
+    let record = pod.device(&s.device).await.expect("read").expect("known");
+    assert!(!record.online, "{record:?}");
+    assert_eq!(record.last_seen_ms, at_ms);
+    assert_eq!(record.last_sent, Some(sent));
+}
+
+/// A late `Offline` (or `Sent`) of a session the device has left changes nothing.
+pub async fn a_stale_offline_of_a_replaced_session_changes_nothing(env: &mut Env) {
+    let pod = env.pod(SETTINGS).await;
+    pod.beat("a", "inst-a", false).await.expect("beat");
+    pod.beat("b", "inst-b", false).await.expect("beat");
+    let old = session("pos-3", "inst-a", 1);
+    let new = session("pos-3", "inst-b", 1);
+    pod.write(vec![PresenceWrite::Online(old.clone())])
+        .await
+        .expect("write");
+    pod.write(vec![PresenceWrite::Online(new.clone())])
+        .await
+        .expect("write");
+    pod.write(vec![
+        offline(&old, Some(cursor("e1", 0, 9, 9))),
+        PresenceWrite::Sent {
+            session: reference(&old),
+            last_sent: cursor("e1", 0, 9, 9),
+        },
+    ])
+    .await
+    .expect("write");
+    // Same instance, other session id: also another session.
+    let same_instance = Session {
+        session: 2,
+        ..new.clone()
+    };
+    pod.write(vec![offline(&same_instance, None)])
+        .await
+        .expect("write");
+    let record = pod.device(&new.device).await.expect("read").expect("known");
+    assert!(record.online, "{record:?}");
+    assert_eq!((record.instance.as_str(), record.session), ("inst-b", 1));
+    assert_eq!(record.last_sent, None);
+}
+
+/// An instance that stops beating takes its devices offline after `ttl`, with no writer; they
+/// were last seen at its last beat.
+pub async fn an_instance_that_stops_beating_goes_offline_after_ttl(env: &mut Env) {
+    let settings = FleetSettings {
+        ttl: Duration::from_millis(1500),
+        retention: Duration::from_secs(600),
+    };
+    let pod = env.pod(settings).await;
+    let reader = env.pod(settings).await;
+    let s = session("pos-4", "inst-a", 1);
+    pod.write(vec![PresenceWrite::Online(s.clone())])
+        .await
+        .expect("write");
+    let before = unix_ms();
+    pod.beat("a", "inst-a", false).await.expect("beat");
+    let after = unix_ms();
+    let record = reader
+        .device(&s.device)
+        .await
+        .expect("read")
+        .expect("known");
+    assert!(record.online, "online right after a beat: {record:?}");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        reader
+            .device(&s.device)
+            .await
+            .expect("read")
+            .expect("known")
+            .online,
+        "still online within ttl"
+    );
+    tokio::time::sleep(Duration::from_millis(1300)).await;
+    let record = reader
+        .device(&s.device)
+        .await
+        .expect("read")
+        .expect("known");
+    assert!(
+        !record.online,
+        "offline after ttl without a beat: {record:?}"
+    );
+    assert_between(
+        record.last_seen_ms,
+        before,
+        after,
+        "last_seen = the last beat",
+    );
+    let page = reader
+        .list(OnlineFilter::Offline, 10, None)
+        .await
+        .expect("list");
+    assert_eq!(page.devices.len(), 1, "{page:?}");
+    // A beat revives it: its session never ended.
+    pod.beat("a", "inst-a", false).await.expect("beat");
+    assert!(
+        reader
+            .device(&s.device)
+            .await
+            .expect("read")
+            .expect("known")
+            .online
+    );
+}
+
+/// A `stopping` beat takes the instance's devices offline at once.
+pub async fn a_stopping_beat_is_offline_at_once(env: &mut Env) {
+    let pod = env.pod(SETTINGS).await;
+    let s = session("pos-5", "inst-a", 1);
+    pod.beat("a", "inst-a", false).await.expect("beat");
+    pod.write(vec![PresenceWrite::Online(s.clone())])
+        .await
+        .expect("write");
+    assert!(
+        pod.device(&s.device)
+            .await
+            .expect("read")
+            .expect("known")
+            .online
+    );
+    let before = unix_ms();
+    pod.beat("a", "inst-a", true).await.expect("beat");
+    let after = unix_ms();
+    let record = pod.device(&s.device).await.expect("read").expect("known");
+    assert!(!record.online, "{record:?}");
+    assert!(
+        record.last_seen_ms <= after + 150 && record.last_seen_ms + 60_000 >= before,
+        "{record:?}"
+    );
+}
+
+/// A device never written is unknown (404), also in listings.
+pub async fn an_unknown_device_is_none(env: &mut Env) {
+    let pod = env.pod(SETTINGS).await;
+    assert_eq!(pod.device(&device("nobody")).await.expect("read"), None);
+    let page = pod.list(OnlineFilter::Any, 10, None).await.expect("list");
+    assert!(page.devices.is_empty() && page.next.is_none(), "{page:?}");
+    assert_eq!(
+        pod.broadcast_copies(&cursor("e1", 0, 1, 0))
+            .await
+            .expect("read"),
+        None
+    );
+}
+
+/// Records and broadcast copies not written for `retention` are forgotten.
+pub async fn retention_forgets(env: &mut Env) {
+    let settings = FleetSettings {
+        ttl: Duration::from_secs(1),
+        retention: Duration::from_secs(2),
+    };
+    let pod = env.pod(settings).await;
+    pod.beat("a", "inst-a", false).await.expect("beat");
+    let s = session("pos-6", "inst-a", 1);
+    pod.write(vec![PresenceWrite::Online(s.clone())])
+        .await
+        .expect("write");
+    let copies = vec![cursor("e1", 0, 1, 0), cursor("e1", 1, 1, 0)];
+    pod.record_broadcast(copies.clone()).await.expect("record");
+    assert!(pod.device(&s.device).await.expect("read").is_some());
+    assert_eq!(
+        pod.broadcast_copies(&copies[0]).await.expect("read"),
+        Some(copies.clone())
+    );
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(2) + WAIT;
+    tokio::time::sleep(Duration::from_millis(2100)).await;
+    loop {
+        // Memory forgets on access; others expire on their own (NATS checks max age in rounds).
+        let record = pod.device(&s.device).await.expect("read");
+        let broadcast = pod.broadcast_copies(&copies[0]).await.expect("read");
+        let listed = pod.list(OnlineFilter::Any, 10, None).await.expect("list");
+        if record.is_none() && broadcast.is_none() && listed.devices.is_empty() {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "not forgotten: {record:?} {broadcast:?} {listed:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// 1,000 devices in pages of 100, in device order, with and without filters: none skipped or
+/// repeated, `next` continues after short pages.
+pub async fn listing_pages_through_every_device(env: &mut Env) {
+    let pod = env.pod(SETTINGS).await;
+    pod.beat("a", "inst-a", false).await.expect("beat");
+    let sessions: Vec<Session> = (0..1000)
+        .map(|n| session(&format!("dev-{n:04}"), "inst-a", n))
+        .collect();
+    for batch in sessions.chunks(500) {
+        pod.write(batch.iter().cloned().map(PresenceWrite::Online).collect())
+            .await
+            .expect("write");
+    }
+    let ended: Vec<PresenceWrite> = sessions
+        .iter()
+        .filter(|s| s.session % 2 == 1)
+        .map(|s| offline(s, None))
+        .collect();
+    pod.write(ended).await.expect("write");
+    let all: Vec<String> = sessions.iter().map(|s| s.device.to_string()).collect();
+    let even: Vec<String> = all.iter().step_by(2).cloned().collect();
+    let odd: Vec<String> = all.iter().skip(1).step_by(2).cloned().collect();
+    for (filter, expected) in [
+        (OnlineFilter::Any, &all),
+        (OnlineFilter::Online, &even),
+        (OnlineFilter::Offline, &odd),
+    ] {
+        let mut seen = Vec::new();
+        let mut cursor: Option<String> = None;
+        let mut pages = 0;
+        loop {
+            let page = pod
+                .list(filter, 100, cursor.as_deref())
+                .await
+                .expect("list");
+            pages += 1;
+            assert!(
+                page.devices.len() <= 100,
+                "{filter:?}: page of {}",
+                page.devices.len()
+            );
+            for record in &page.devices {
+                assert!(filter.admits(record.online), "{filter:?}: {record:?}");
+                seen.push(record.device.to_string());
+            }
+            match page.next {
+                Some(next) => cursor = Some(next),
+                None => break,
+            }
+            assert!(pages <= 20, "{filter:?}: the listing does not end");
+        }
+        assert_eq!(&seen, expected, "{filter:?}: every device once, in order");
+        let unique: BTreeSet<&String> = seen.iter().collect();
+        assert_eq!(unique.len(), seen.len());
+    }
+}
+
+/// Acks move forward only: same epoch and shard older or equal is Stale, newer is Moved; a
+/// cursor of another epoch (or shard) replaces it. `Online` keeps the ack.
+pub async fn acks_move_forward_only(env: &mut Env) {
+    let pod = env.pod(SETTINGS).await;
+    let d = device("pos-8");
+    let at = unix_ms();
+    let steps = [
+        (cursor("e1", 2, 50, 0), AckOutcome::Moved),
+        (cursor("e1", 2, 30, 9), AckOutcome::Stale),
+        (cursor("e1", 2, 50, 0), AckOutcome::Stale),
+        (cursor("e1", 2, 50, 1), AckOutcome::Moved),
+        (cursor("e1", 2, 100, 0), AckOutcome::Moved),
+        // Decimal text of different lengths: 99 < 100.
+        (cursor("e1", 2, 99, 5), AckOutcome::Stale),
+        (cursor("e2", 2, 1, 0), AckOutcome::Moved),
+        (cursor("e2", 3, 0, 1), AckOutcome::Moved),
+    ];
+    for (n, (ack, outcome)) in steps.iter().enumerate() {
+        assert_eq!(
+            pod.ack(&d, ack, at + n as u64).await.expect("ack"),
+            *outcome,
+            "step {n}: {ack}"
+        );
+    }
+    let record = pod.device(&d).await.expect("read").expect("known");
+    assert_eq!(record.acked, Some(cursor("e2", 3, 0, 1)));
+    assert_eq!(record.acked_ms, Some(at + 7));
+    pod.beat("a", "inst-a", false).await.expect("beat");
+    pod.write(vec![PresenceWrite::Online(session("pos-8", "inst-a", 1))])
+        .await
+        .expect("write");
+    let record = pod.device(&d).await.expect("read").expect("known");
+    assert!(record.online);
+    assert_eq!(
+        record.acked,
+        Some(cursor("e2", 3, 0, 1)),
+        "Online keeps the ack"
+    );
+}
+
+/// Concurrent acks of one device from several tasks (and two pods) end at the greatest.
+pub async fn concurrent_acks_end_at_the_max(env: &mut Env) {
+    let pods = [
+        Arc::new(env.pod(SETTINGS).await),
+        Arc::new(env.pod(SETTINGS).await),
+    ];
+    let d = device("pos-9");
+    let tasks: Vec<_> = (0..8u64)
+        .map(|task| {
+            let pod = pods[task as usize % 2].clone();
+            let d = d.clone();
+            tokio::spawn(async move {
+                // Each task acks its positions from high to low, interleaved with the others.
+                for i in (0..25u64).rev() {
+                    pod.ack(&d, &cursor("e1", 0, i * 8 + task, 0), unix_ms())
+                        .await
+                        .expect("ack");
+                }
+            })
+        })
+        .collect();
+    for task in tasks {
+        task.await.expect("task");
+    }
+    let record = pods[0].device(&d).await.expect("read").expect("known");
+    assert_eq!(record.acked, Some(cursor("e1", 0, 199, 0)));
+}
+
+/// An ack of a device that never connected creates its record (offline).
+pub async fn an_ack_creates_the_record(env: &mut Env) {
+    let pod = env.pod(SETTINGS).await;
+    let d = device("pos-10");
+    let ack = cursor("e1", 1, 7, 0);
+    let at = unix_ms();
+    assert_eq!(pod.ack(&d, &ack, at).await.expect("ack"), AckOutcome::Moved);
+    let record = pod.device(&d).await.expect("read").expect("created");
+    assert!(!record.online, "{record:?}");
+    assert_eq!((record.acked, record.acked_ms), (Some(ack), Some(at)));
+    let page = pod.list(OnlineFilter::Any, 10, None).await.expect("list");
+    assert_eq!(
+        page.devices.len(),
+        1,
+        "the ack's record is listed: {page:?}"
+    );
+}
+
+/// The copies of a broadcast are found under the id the hub answered, `copies[0]`.
+pub async fn broadcast_copies_round_trip(env: &mut Env) {
+    let pod = env.pod(SETTINGS).await;
+    let other = env.pod(SETTINGS).await;
+    let copies: Vec<Cursor> = (0..4).map(|shard| cursor("e1", shard, 77, 1)).collect();
+    pod.record_broadcast(copies.clone()).await.expect("record");
+    assert_eq!(
+        other.broadcast_copies(&copies[0]).await.expect("read"),
+        Some(copies.clone()),
+        "another pod reads them"
+    );
+    assert_eq!(
+        other.broadcast_copies(&copies[1]).await.expect("read"),
+        None
+    );
+}
+
+fn alive(pod: &str, n: u64) -> FleetMessage {
+    FleetMessage::Alive {
+        pod: pod.to_owned(),
+        instance: format!("{pod}-inst"),
+        at_ms: n,
+        stopping: false,
+    }
+}
+
+/// The next `count` messages of `stream`, failing after [`WAIT`].
+async fn receive(stream: &mut BoxStream<'static, FleetMessage>, count: usize) -> Vec<FleetMessage> {
+    let mut got = Vec::new();
+    while got.len() < count {
+        match tokio::time::timeout(WAIT, stream.next()).await {
+            Ok(Some(message)) => got.push(message),
+            Ok(None) => panic!("the subscription ended after {got:?}"),
+            Err(_) => panic!("only {got:?} of {count} messages arrived"),
+        }
+    }
+    got
+}
+
+/// Two pods both receive what either announces, this pod included, in order per publisher,
+/// each batch message by message.
+pub async fn every_pod_hears_every_announcement_in_order(env: &mut Env) {
+    let a = env.pod(SETTINGS).await;
+    let b = env.pod(SETTINGS).await;
+    let mut heard_a = a.subscribe().await.expect("subscribe");
+    let mut heard_b = b.subscribe().await.expect("subscribe");
+    let s = session("pos-11", "a-inst", 1);
+    a.announce(vec![
+        FleetMessage::Connected(s.clone()),
+        alive("a", 1),
+        alive("a", 2),
+    ])
+    .await
+    .expect("announce");
+    b.announce(vec![alive("b", 1)]).await.expect("announce");
+    a.announce(vec![FleetMessage::Disconnected {
+        session: reference(&s),
+        at_ms: 5,
+    }])
+    .await
+    .expect("announce");
+    b.announce(vec![alive("b", 2)]).await.expect("announce");
+    for (name, heard) in [("a", &mut heard_a), ("b", &mut heard_b)] {
+        let got = receive(heard, 6).await;
+        let from_a: Vec<&FleetMessage> = got
+            .iter()
+            .filter(|m| !matches!(m, FleetMessage::Alive { pod, .. } if pod == "b"))
+            .collect();
+        assert_eq!(
+            from_a,
+            vec![
+                &FleetMessage::Connected(s.clone()),
+                &alive("a", 1),
+                &alive("a", 2),
+                &FleetMessage::Disconnected {
+                    session: reference(&s),
+                    at_ms: 5
+                },
+            ],
+            "pod {name} hears a's messages in order"
+        );
+        let from_b: Vec<&FleetMessage> = got
+            .iter()
+            .filter(|m| matches!(m, FleetMessage::Alive { pod, .. } if pod == "b"))
+            .collect();
+        assert_eq!(
+            from_b,
+            vec![&alive("b", 1), &alive("b", 2)],
+            "pod {name}: b's"
+        );
+    }
+}
+
+/// A subscription survives a restart of the store's servers: what is announced after it
+/// arrives (what was announced during it may be lost).
+pub async fn a_subscription_survives_a_restart(env: &mut Env) {
+    let a = env.pod(SETTINGS).await;
+    let b = env.pod(SETTINGS).await;
+    let mut heard_a = a.subscribe().await.expect("subscribe");
+    let mut heard_b = b.subscribe().await.expect("subscribe");
+    a.announce(vec![alive("a", 0)]).await.expect("announce");
+    assert_eq!(receive(&mut heard_b, 1).await, vec![alive("a", 0)]);
+    assert_eq!(receive(&mut heard_a, 1).await, vec![alive("a", 0)]);
+    if !env.restart().await {
+        env.cannot("a restart of the store's server");
+        return;
+    }
+    // Announce until both hear one sent after the restart (the first may go out before the
+    // subscriptions are back, or fail while the connection is).
+    for (name, heard) in [("a", &mut heard_a), ("b", &mut heard_b)] {
+        let deadline = tokio::time::Instant::now() + WAIT;
+        let mut n = 1;
+        loop {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "pod {name} hears nothing after the restart"
+            );
+            n += 1;
+            if a.announce(vec![alive("a", n)]).await.is_err() {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                continue;
+            }
+            match tokio::time::timeout(Duration::from_millis(500), heard.next()).await {
+                Ok(Some(FleetMessage::Alive { at_ms, .. })) if at_ms > 0 => break,
+                Ok(Some(other)) => panic!("pod {name}: {other:?}"),
+                Ok(None) => panic!("pod {name}: the subscription ended"),
+                Err(_) => continue,
+            }
+        }
+    }
+}
+
+/// A batch of 500 presence changes is one exchange with the store, not one per device: the
+/// shape of a reconnect storm's writes.
+pub async fn a_batch_of_500_changes_is_one_round_trip(env: &mut Env) {
+    let pod = env.pod(SETTINGS).await;
+    pod.beat("a", "inst-a", false).await.expect("beat");
+    let sessions: Vec<Session> = (0..500)
+        .map(|n| session(&format!("storm-{n:03}"), "inst-a", n))
+        .collect();
+    let mut changes: Vec<PresenceWrite> = sessions
+        .iter()
+        .cloned()
+        .map(PresenceWrite::Online)
+        .collect();
+    // A device connecting and leaving within one batch: its changes apply in order.
+    changes.push(offline(&sessions[0], None));
+    let trips = (pod.round_trips)();
+    let evals = env.redis_evals().await;
+    pod.write(changes).await.expect("write");
+    let Some(before) = trips else {
+        env.cannot("counting round trips");
+        return;
+    };
+    let after = (pod.round_trips)().expect("counted");
+    // NATS has no multi-key write: one wave of reads and one of compare-and-set writes.
+    let allowed = if env.kind == Kind::Nats { 2 } else { 1 };
+    assert!(
+        after - before <= allowed,
+        "{} exchanges for one batch",
+        after - before
+    );
+    if let (Some(evals_before), Some(evals_after)) = (evals, env.redis_evals().await) {
+        assert!(
+            evals_after - evals_before <= 2,
+            "{} scripts for one batch on one instance",
+            evals_after - evals_before
+        );
+    }
+    assert!(
+        !pod.device(&sessions[0].device)
+            .await
+            .expect("read")
+            .expect("known")
+            .online
+    );
+    for s in &sessions[1..] {
+        assert!(
+            pod.device(&s.device)
+                .await
+                .expect("read")
+                .expect("known")
+                .online,
+            "{:?}",
+            s.device
+        );
+    }
+}
+
+/// One test per store for each scenario: `mod scenario { fn memory, fn redis_standalone, fn
+/// redis_cluster, fn nats }`.
+macro_rules! fleet_store {
+    ($($scenario:ident),* $(,)?) => {$(
+        mod $scenario {
+            use super::{Env, Kind};
+
+            async fn run(kind: Kind) {
+                let Some(mut env) = Env::start(kind, stringify!($scenario)).await else {
+                    return;
+                };
+                super::$scenario(&mut env).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn memory() {
+                run(Kind::Memory).await
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn redis_standalone() {
+                run(Kind::RedisStandalone).await
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn redis_cluster() {
+                run(Kind::RedisCluster).await
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn nats() {
+                run(Kind::Nats).await
+            }
+        }
+    )*};
+}
+
+fleet_store! {
+    online_after_online,
+    offline_after_offline_of_the_same_session,
+    a_stale_offline_of_a_replaced_session_changes_nothing,
+    an_instance_that_stops_beating_goes_offline_after_ttl,
+    a_stopping_beat_is_offline_at_once,
+    an_unknown_device_is_none,
+    retention_forgets,
+    listing_pages_through_every_device,
+    acks_move_forward_only,
+    concurrent_acks_end_at_the_max,
+    an_ack_creates_the_record,
+    broadcast_copies_round_trip,
+    every_pod_hears_every_announcement_in_order,
+    a_subscription_survives_a_restart,
+    a_batch_of_500_changes_is_one_round_trip,
+}
