@@ -353,6 +353,92 @@ pub async fn a_stale_offline_of_a_replaced_session_changes_nothing(env: &mut Env
     assert_eq!(record.last_sent, None);
 }
 
+/// Two sessions opened within the race window: the record names the one of higher rank
+/// (`connected_ms`, instance, session) whatever order their writes land in; beyond the window
+/// the later write wins. The same session written again only refreshes the record, and a
+/// progress sample landing after the session's end does not undo its exact end.
+pub async fn a_race_is_decided_by_rank_not_by_write_order(env: &mut Env) {
+    let pod = env.pod(SETTINGS).await;
+    pod.beat("a", "inst-a", false).await.expect("beat");
+    pod.beat("b", "inst-b", false).await.expect("beat");
+    let now = unix_ms();
+    let older = Session {
+        connected_ms: now,
+        ..session("pos-race", "inst-a", 1)
+    };
+    let newer = Session {
+        connected_ms: now + 500,
+        ..session("pos-race", "inst-b", 1)
+    };
+    // The newer session's write lands first, the older's after it.
+    pod.write(vec![PresenceWrite::Online(newer.clone())])
+        .await
+        .expect("write");
+    pod.write(vec![PresenceWrite::Online(older.clone())])
+        .await
+        .expect("write");
+    pod.write(vec![offline(&older, None)]).await.expect("write");
+    let record = pod
+        .device(&newer.device)
+        .await
+        .expect("read")
+        .expect("known");
+    assert!(record.online, "{record:?}");
+    assert_eq!((record.instance.as_str(), record.session), ("inst-b", 1));
+
+    // Written again, the same session keeps what it had.
+    let sent = cursor("e1", 0, 42, 0);
+    pod.write(vec![
+        PresenceWrite::Sent {
+            session: reference(&newer),
+            last_sent: sent.clone(),
+        },
+        PresenceWrite::Online(newer.clone()),
+    ])
+    .await
+    .expect("write");
+    let record = pod
+        .device(&newer.device)
+        .await
+        .expect("read")
+        .expect("known");
+    assert_eq!(record.last_sent, Some(sent.clone()), "{record:?}");
+
+    // Beyond the window, the later write wins even with an earlier connect time.
+    let much_earlier = Session {
+        connected_ms: now - 10_000,
+        ..session("pos-race", "inst-a", 2)
+    };
+    pod.write(vec![PresenceWrite::Online(much_earlier.clone())])
+        .await
+        .expect("write");
+    let record = pod
+        .device(&newer.device)
+        .await
+        .expect("read")
+        .expect("known");
+    assert_eq!((record.instance.as_str(), record.session), ("inst-a", 2));
+
+    // A sample taken before the end, written after it.
+    let last = cursor("e1", 0, 50, 0);
+    pod.write(vec![
+        offline(&much_earlier, Some(last.clone())),
+        PresenceWrite::Sent {
+            session: reference(&much_earlier),
+            last_sent: cursor("e1", 0, 45, 0),
+        },
+    ])
+    .await
+    .expect("write");
+    let record = pod
+        .device(&newer.device)
+        .await
+        .expect("read")
+        .expect("known");
+    assert!(!record.online);
+    assert_eq!(record.last_sent, Some(last));
+}
+
 /// An instance that stops beating takes its devices offline after `ttl`, with no writer; they
 /// were last seen at its last beat.
 pub async fn an_instance_that_stops_beating_goes_offline_after_ttl(env: &mut Env) {
@@ -868,6 +954,7 @@ fleet_store! {
     online_after_online,
     offline_after_offline_of_the_same_session,
     a_stale_offline_of_a_replaced_session_changes_nothing,
+    a_race_is_decided_by_rank_not_by_write_order,
     an_instance_that_stops_beating_goes_offline_after_ttl,
     a_stopping_beat_is_offline_at_once,
     an_unknown_device_is_none,

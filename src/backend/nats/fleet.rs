@@ -36,7 +36,7 @@ use super::{unavailable, Inner};
 use crate::{
     backend::{
         fleet::{
-            ack_moves, AckOutcome, DevicePage, DeviceRecord, FleetMessage, FleetSettings,
+            ack_moves, replaces, AckOutcome, DevicePage, DeviceRecord, FleetMessage, FleetSettings,
             FleetStore, OnlineFilter, PresenceWrite, Session,
         },
         BackendError, BackendResult,
@@ -606,6 +606,16 @@ fn apply(record: &mut Option<Stored>, change: &PresenceWrite) -> bool {
     };
     match change {
         PresenceWrite::Online(session) => {
+            if let Some(stored) = record.as_ref() {
+                // The same session again is a refresh: written as it is (a KV record's age
+                // counts from its last write).
+                if stored.session.is(session) {
+                    return true;
+                }
+                if !replaces(session, &stored.session, stored.ended_ms.is_none()) {
+                    return false;
+                }
+            }
             let (acked, acked_ms) = record
                 .as_ref()
                 .map(|stored| (stored.acked.clone(), stored.acked_ms))
@@ -634,7 +644,10 @@ fn apply(record: &mut Option<Stored>, change: &PresenceWrite) -> bool {
             _ => false,
         },
         PresenceWrite::Sent { session, last_sent } => match record {
-            Some(stored) if same(stored, &session.instance, session.session) => {
+            Some(stored)
+                if same(stored, &session.instance, session.session)
+                    && stored.ended_ms.is_none() =>
+            {
                 stored.last_sent = Some(last_sent.to_string());
                 true
             }

@@ -29,7 +29,7 @@ use crate::{
     backend::{
         fleet::{
             AckOutcome, DevicePage, DeviceRecord, FleetMessage, FleetSettings, FleetStore,
-            OnlineFilter, PresenceWrite,
+            OnlineFilter, PresenceWrite, RACE_WINDOW,
         },
         BackendError, BackendResult,
     },
@@ -38,28 +38,45 @@ use crate::{
 };
 
 /// Applies presence changes to device hashes (all of one slot). KEYS: the device hashes.
-/// ARGV: retention (ms), change count, then 10 per change: key index, kind (`on`, `off`, `sent`),
-/// instance, session, pod, connected_ms, remote, user agent, ended at (ms), last sent (or '').
-/// `off` and `sent` apply only while the hash names the same instance and session.
+/// ARGV: retention (ms), change count, race window (ms), then 10 per change: key index, kind
+/// (`on`, `off`, `sent`), instance, session, pod, connected_ms, remote, user agent, ended at
+/// (ms), last sent (or ''). `on` replaces the hash's session as `backend::fleet::replaces` says
+/// (the same session again only refreshes its expiry); `off` and `sent` apply only while the
+/// hash names the same instance and session, `sent` only while it is open.
 pub const WRITE: &str = r#"
-local retention = ARGV[1]
+local retention, race = ARGV[1], tonumber(ARGV[3])
+-- (connected_ms, instance, session) of a greater than of b: the rank of a race.
+local function outranks(a_ms, a_instance, a_session, b_ms, b_instance, b_session)
+  if a_ms ~= b_ms then return a_ms > b_ms end
+  if a_instance ~= b_instance then return a_instance > b_instance end
+  return a_session > b_session
+end
 for i = 0, tonumber(ARGV[2]) - 1 do
-  local at = 3 + i * 10
+  local at = 4 + i * 10
   local key = KEYS[tonumber(ARGV[at])]
   local kind = ARGV[at + 1]
+  local current = redis.call('HMGET', key, 'instance', 'session', 'connected_ms', 'ended_ms')
+  local same = current[1] == ARGV[at + 2] and current[2] == ARGV[at + 3]
   if kind == 'on' then
-    redis.call('HDEL', key, 'ended_ms', 'last_sent')
-    redis.call('HSET', key, 'instance', ARGV[at + 2], 'session', ARGV[at + 3],
-      'pod', ARGV[at + 4], 'connected_ms', ARGV[at + 5], 'remote', ARGV[at + 6],
-      'user_agent', ARGV[at + 7])
-    redis.call('PEXPIRE', key, retention)
-  else
-    local current = redis.call('HMGET', key, 'instance', 'session')
-    if current[1] == ARGV[at + 2] and current[2] == ARGV[at + 3] then
-      if kind == 'off' then redis.call('HSET', key, 'ended_ms', ARGV[at + 8]) end
-      if ARGV[at + 9] ~= '' then redis.call('HSET', key, 'last_sent', ARGV[at + 9]) end
-      redis.call('PEXPIRE', key, retention)
+    local replace = not same
+    if replace and current[1] and not current[4] then
+      local new_ms, old_ms = tonumber(ARGV[at + 5]), tonumber(current[3])
+      if math.abs(new_ms - old_ms) < race then
+        replace = outranks(new_ms, ARGV[at + 2], tonumber(ARGV[at + 3]),
+          old_ms, current[1], tonumber(current[2]))
+      end
     end
+    if replace then
+      redis.call('HDEL', key, 'ended_ms', 'last_sent')
+      redis.call('HSET', key, 'instance', ARGV[at + 2], 'session', ARGV[at + 3],
+        'pod', ARGV[at + 4], 'connected_ms', ARGV[at + 5], 'remote', ARGV[at + 6],
+        'user_agent', ARGV[at + 7])
+    end
+    if replace or same then redis.call('PEXPIRE', key, retention) end
+  elseif same and not (kind == 'sent' and current[4]) then
+    if kind == 'off' then redis.call('HSET', key, 'ended_ms', ARGV[at + 8]) end
+    if ARGV[at + 9] ~= '' then redis.call('HSET', key, 'last_sent', ARGV[at + 9]) end
+    redis.call('PEXPIRE', key, retention)
   end
 end
 return #ARGV
@@ -308,6 +325,7 @@ impl RedisFleet {
                 let mut args = vec![
                     ms_arg(self.settings.retention),
                     Value::from(slot.changes as i64),
+                    ms_arg(RACE_WINDOW),
                 ];
                 args.extend(slot.args);
                 eval(WRITE, slot.keys, args)
