@@ -750,6 +750,50 @@ fn alive(pod: &str, n: u64) -> FleetMessage {
     }
 }
 
+/// Announces probes from `from` until every subscription has heard one, then drains what is
+/// left of them: a Redis Cluster subscription may become active a moment after `subscribe`
+/// returned (docs/fleet.md, known limits), which the Fleet actor covers by reading the devices
+/// online from the store after subscribing. A subscription that never hears one fails.
+async fn until_subscribed(
+    from: &dyn FleetStore,
+    streams: &mut [&mut BoxStream<'static, FleetMessage>],
+) {
+    let probe = |n: u64| FleetMessage::Alive {
+        pod: "probe".into(),
+        instance: "probe".into(),
+        at_ms: n,
+        stopping: false,
+    };
+    let deadline = tokio::time::Instant::now() + WAIT;
+    let mut n = 0;
+    for stream in streams.iter_mut() {
+        loop {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "a subscription heard no probe"
+            );
+            n += 1;
+            from.announce(vec![probe(n)]).await.expect("announce");
+            if let Ok(Some(_)) =
+                tokio::time::timeout(Duration::from_millis(300), stream.next()).await
+            {
+                break;
+            }
+        }
+    }
+    // The probes still on their way: every subscription hears the last one last.
+    from.announce(vec![probe(0)]).await.expect("announce");
+    for stream in streams.iter_mut() {
+        loop {
+            match tokio::time::timeout(WAIT, stream.next()).await {
+                Ok(Some(FleetMessage::Alive { pod, at_ms: 0, .. })) if pod == "probe" => break,
+                Ok(Some(FleetMessage::Alive { pod, .. })) if pod == "probe" => continue,
+                other => panic!("a probe was expected: {other:?}"),
+            }
+        }
+    }
+}
+
 /// The next `count` messages of `stream`, failing after [`WAIT`].
 async fn receive(stream: &mut BoxStream<'static, FleetMessage>, count: usize) -> Vec<FleetMessage> {
     let mut got = Vec::new();
@@ -770,6 +814,7 @@ pub async fn every_pod_hears_every_announcement_in_order(env: &mut Env) {
     let b = env.pod(SETTINGS).await;
     let mut heard_a = a.subscribe().await.expect("subscribe");
     let mut heard_b = b.subscribe().await.expect("subscribe");
+    until_subscribed(&*a, &mut [&mut heard_a, &mut heard_b]).await;
     let s = session("pos-11", "a-inst", 1);
     a.announce(vec![
         FleetMessage::Connected(s.clone()),
@@ -824,6 +869,7 @@ pub async fn a_subscription_survives_a_restart(env: &mut Env) {
     let b = env.pod(SETTINGS).await;
     let mut heard_a = a.subscribe().await.expect("subscribe");
     let mut heard_b = b.subscribe().await.expect("subscribe");
+    until_subscribed(&*a, &mut [&mut heard_a, &mut heard_b]).await;
     a.announce(vec![alive("a", 0)]).await.expect("announce");
     assert_eq!(receive(&mut heard_b, 1).await, vec![alive("a", 0)]);
     assert_eq!(receive(&mut heard_a, 1).await, vec![alive("a", 0)]);

@@ -504,7 +504,17 @@ impl RedisFleet {
     /// A connection of its own (same settings as the backend's) subscribed to the channel, and
     /// subscribed again after every reconnection.
     async fn subscribe(&self) -> BackendResult<BoxStream<'static, FleetMessage>> {
-        let subscriber = self.client.clone_new();
+        // RESP3: messages arrive as push frames, which fred never takes for the answer of a
+        // command in flight (with RESP2 a message arriving while a SUBSCRIBE waits for its
+        // answer could be taken for it and lost).
+        let mut config = self.client.client_config();
+        config.version = fred::types::RespVersion::RESP3;
+        let subscriber = Client::new(
+            config,
+            Some(self.client.perf_config()),
+            Some(self.client.connection_config().clone()),
+            self.client.client_reconnect_policy(),
+        );
         let mut reconnects = subscriber.reconnect_rx();
         let messages = subscriber.message_rx();
         init(&subscriber, "redis (fleet channel)").await?;
@@ -514,8 +524,8 @@ impl RedisFleet {
             .await
             .map_err(unavailable)?;
         // The events so far are the connections just made (one per node in a cluster), which
-        // the SUBSCRIBE above covers: a second SUBSCRIBE in flight while the first messages
-        // arrive loses them (seen in tests), so only later reconnections subscribe again.
+        // the SUBSCRIBE above covers; later ones are reconnections, after which the server
+        // has forgotten the subscription.
         while reconnects.try_recv().is_ok() {}
         let resubscriber = subscriber.clone();
         let resubscribe = tokio::spawn(async move {
