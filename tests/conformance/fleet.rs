@@ -318,6 +318,10 @@ pub async fn fleet_events_are_debounced(env: &mut Env) {
         let data: Value = serde_json::from_str(&event.data).unwrap();
         assert_eq!(data["pod"], "pod-a");
     }
+    let hubs: Vec<&Hub> = std::iter::once(&a).chain(b.as_ref()).collect();
+    for hub in &hubs {
+        devices_online_until(hub, 1.0).await;
+    }
     // A flap: gone and back within the debounce.
     drop(stream);
     tokio::time::sleep(Duration::from_millis(200)).await;
@@ -329,6 +333,28 @@ pub async fn fleet_events_are_debounced(env: &mut Env) {
     for events in &mut watchers {
         let event = next_fleet_event(events, "pos-5", WAIT).await;
         assert_eq!(event.event, "device.offline");
+    }
+    for hub in &hubs {
+        devices_online_until(hub, 0.0).await;
+    }
+}
+
+/// Waits until `fleet_devices_online` of `hub` is `value`.
+async fn devices_online_until(hub: &Hub, value: f64) {
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let now = crate::support::metrics::scrape(hub.addr())
+            .await
+            .value_or_zero("fleet_devices_online", &[]);
+        if now == value {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "fleet_devices_online of {} is {now}, not {value}",
+            hub.addr()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
 
