@@ -26,21 +26,20 @@ pub fn event(id: &str, event_type: &str, data: &str) -> Bytes {
     let mut out = BytesMut::with_capacity(id.len() + event_type.len() + data.len() + 32);
     out.put_slice(b"id: ");
     out.put_slice(id.as_bytes());
-    out.put_slice(b"\nevent: ");
-    out.put_slice(event_type.as_bytes());
     out.put_u8(b'\n');
-    for line in payload_lines(data) {
-        out.put_slice(b"data: ");
-        out.put_slice(line.as_bytes());
-        out.put_u8(b'\n');
-    }
-    out.put_u8(b'\n');
+    type_and_data(&mut out, event_type, data);
     out.freeze()
 }
 
 /// An event without an `id:` (the fleet event stream is not resumable).
 pub fn named_event(event_type: &str, data: &str) -> Bytes {
     let mut out = BytesMut::with_capacity(event_type.len() + data.len() + 32);
+    type_and_data(&mut out, event_type, data);
+    out.freeze()
+}
+
+/// `event:`, one `data:` line per payload line, and the blank line that ends an event.
+fn type_and_data(out: &mut BytesMut, event_type: &str, data: &str) {
     out.put_slice(b"event: ");
     out.put_slice(event_type.as_bytes());
     out.put_u8(b'\n');
@@ -50,7 +49,6 @@ pub fn named_event(event_type: &str, data: &str) -> Bytes {
         out.put_u8(b'\n');
     }
     out.put_u8(b'\n');
-    out.freeze()
 }
 
 /// `event: resync` with the position the client continues from as its `id:`.
