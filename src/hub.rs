@@ -314,14 +314,14 @@ pub fn serve(config: Config) -> Result<(), ServeError> {
             fleet: fleet.clone(),
         };
         http::ops::watch_readiness(state.clone());
-        let server = http::server(state, https.clone()).map_err(|source| ServeError::Bind {
+        let bind_error = |source| ServeError::Bind {
             addr: config.server.listen,
             source,
-        })?;
-        shutdown.do_send(AttachServer(server.handle()));
-        if let Some(https) = &https {
-            https.spawn_reloader();
-        }
+        };
+        let listener =
+            http::bind(config.server.listen, config.sse.send_buffer).map_err(bind_error)?;
+        // Written before the workers start, so that nobody is answered by a hub that has not
+        // said where it listens yet.
         log::info!(
             "posthorn {} listening on {}://{} (backend {}, {} workers)",
             env!("CARGO_PKG_VERSION"),
@@ -330,6 +330,11 @@ pub fn serve(config: Config) -> Result<(), ServeError> {
             config.backend.kind.as_str(),
             config.effective_workers()
         );
+        let server = http::server(listener, state, https.clone()).map_err(bind_error)?;
+        shutdown.do_send(AttachServer(server.handle()));
+        if let Some(https) = &https {
+            https.spawn_reloader();
+        }
         server.stopped().await;
         if let Some(fleet) = &fleet {
             // The last presence writes, and the word that this instance is gone, so that its

@@ -130,18 +130,21 @@ impl actix_web::Responder for ApiError {
     }
 }
 
-/// Binds the listening socket and starts the HTTP workers, serving HTTPS with `https`. Signals
-/// are ours (the Shutdown actor), not the server's.
-pub fn server(state: AppState, https: Option<tls::HttpsListener>) -> std::io::Result<Server> {
-    let config = state.config.clone();
-    let listener = listener(config.server.listen, config.sse.send_buffer)?;
-    Server::start(listener, config.effective_workers(), state, https)
+/// Starts the HTTP workers on a socket from [`bind`], serving HTTPS with `https`. Signals are
+/// ours (the Shutdown actor), not the server's.
+pub fn server(
+    listener: TcpListener,
+    state: AppState,
+    https: Option<tls::HttpsListener>,
+) -> std::io::Result<Server> {
+    let workers = state.config.effective_workers();
+    Server::start(listener, workers, state, https)
 }
 
 /// The listening socket, with every option an accepted connection needs: Linux copies them to
 /// each accepted socket, so they are set once instead of with seven `setsockopt` calls per
 /// connection (`listener_options_reach_accepted_sockets` checks the inheritance).
-fn listener(address: std::net::SocketAddr, send_buffer: usize) -> std::io::Result<TcpListener> {
+pub fn bind(address: std::net::SocketAddr, send_buffer: usize) -> std::io::Result<TcpListener> {
     let socket = Socket::new(
         Domain::for_address(address),
         Type::STREAM,
@@ -174,7 +177,7 @@ mod tests {
 
     #[test]
     fn listener_options_reach_accepted_sockets() {
-        let listener = listener("127.0.0.1:0".parse().unwrap(), 32768).unwrap();
+        let listener = bind("127.0.0.1:0".parse().unwrap(), 32768).unwrap();
         listener.set_nonblocking(false).unwrap();
         let _client = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
         let (accepted, _) = listener.accept().unwrap();
