@@ -45,6 +45,11 @@ impl Rotation {
         }
     }
 
+    /// Time between two visits of a member.
+    pub fn period(&self) -> Duration {
+        self.period
+    }
+
     pub fn slices(&self) -> usize {
         self.slices.len()
     }

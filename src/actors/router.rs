@@ -194,9 +194,9 @@ impl Router {
     /// One tick: pings the next slice, and checks the next few slices for stalled clients.
     fn tick(&mut self) {
         let slices = self.rotation.slices();
-        self.ping_slice(self.ticks % slices);
+        let now = Instant::now();
+        self.ping_slice(self.ticks % slices, now);
         if !self.stall_timeout.is_zero() {
-            let now = Instant::now();
             let first = self.ticks * self.stall_slices_per_tick;
             for index in first..first + self.stall_slices_per_tick {
                 self.evict_stalled(index % slices, now);
@@ -233,11 +233,21 @@ impl Router {
         }
     }
 
-    fn ping_slice(&mut self, index: usize) {
-        self.sweep(index, |route| match route.queue.try_send(QueueItem::Ping) {
-            Ok(()) => Verdict::Keep,
-            Err(TrySendError::Full) => Verdict::Evict,
-            Err(TrySendError::Closed) => Verdict::Remove,
+    /// Pings the streams of slice `index` that wrote nothing for half a heartbeat: one that
+    /// carries events needs no ping to stay alive, and each ping is a wake-up and a write. A
+    /// slice is visited once per heartbeat, so a stream is never silent for more than 1.5
+    /// heartbeats (docs/http-api.md, Heartbeats).
+    fn ping_slice(&mut self, index: usize, now: Instant) {
+        let quiet_enough = self.rotation.period() / 2;
+        self.sweep(index, |route| {
+            if route.progress.quiet_for(now) < quiet_enough {
+                return Verdict::Keep;
+            }
+            match route.queue.try_send(QueueItem::Ping) {
+                Ok(()) => Verdict::Keep,
+                Err(TrySendError::Full) => Verdict::Evict,
+                Err(TrySendError::Closed) => Verdict::Remove,
+            }
         });
     }
 
@@ -443,7 +453,7 @@ mod tests {
         model::Epoch,
         stream::{
             queue::{self, QueueReceiver},
-            AnnounceRetry,
+            AnnounceRetry, Progress,
         },
     };
 
@@ -494,6 +504,7 @@ mod tests {
         device: DeviceId,
         shard: u32,
         queue: QueueReceiver,
+        progress: Progress,
     }
 
     impl Conn {
@@ -554,6 +565,7 @@ mod tests {
             self.peers.push(peer.clone());
             let (sender, receiver) = queue::channel(limit);
             let device = DeviceId::parse(device).unwrap();
+            let progress = Progress::default();
             let register = Register {
                 device: device.clone(),
                 shard,
@@ -565,7 +577,7 @@ mod tests {
                         close: peer.recipient(),
                     },
                     opened_ms: 0,
-                    progress: Default::default(),
+                    progress: progress.clone(),
                 },
                 peer: Default::default(),
             };
@@ -574,6 +586,7 @@ mod tests {
                 device,
                 shard,
                 queue: receiver,
+                progress,
             };
             (register, conn)
         }
@@ -928,12 +941,15 @@ mod tests {
     #[actix_rt::test]
     async fn a_tick_pings_through_the_queue() {
         // One slice: a tick pings every connection.
-        let mut fixture = Fixture::with(1, Duration::from_millis(25), Duration::ZERO);
+        let heartbeat = Duration::from_millis(20);
+        let mut fixture = Fixture::with(1, heartbeat, Duration::ZERO);
         let mut reading = fixture.connect("pos-1", 0, 8);
         let full = fixture.connect("pos-2", 0, 1);
         let gone = fixture.connect("pos-3", 0, 8);
         fixture.unicast(&full, 1);
         drop(gone.queue);
+        // Streams that wrote nothing for half a heartbeat (these never wrote).
+        actix_rt::time::sleep(heartbeat).await;
         fixture.router.tick();
         assert_eq!(reading.take(), ["ping"]);
         assert_eq!(
@@ -941,5 +957,27 @@ mod tests {
             [(full.id, CloseReason::SlowConsumer)]
         );
         assert_eq!(fixture.snapshot().len(), 1);
+    }
+
+    /// A stream that wrote within half a heartbeat is not pinged: it is evidently alive.
+    #[actix_rt::test]
+    async fn only_quiet_streams_are_pinged() {
+        let heartbeat = Duration::from_millis(200);
+        let ping_all = |fixture: &mut Fixture, now: Instant| {
+            for index in 0..fixture.router.rotation.slices() {
+                fixture.router.ping_slice(index, now);
+            }
+        };
+        let mut fixture = Fixture::with(1, heartbeat, Duration::ZERO);
+        let mut busy = fixture.connect("pos-1", 0, 8);
+        let mut quiet = fixture.connect("pos-2", 0, 8);
+        actix_rt::time::sleep(heartbeat * 3 / 4).await;
+        busy.progress.wrote();
+        let now = Instant::now();
+        ping_all(&mut fixture, now);
+        assert_eq!(quiet.take(), ["ping"], "quiet for over half a heartbeat");
+        assert!(busy.take().is_empty(), "it has just written");
+        ping_all(&mut fixture, now + heartbeat * 3 / 4);
+        assert_eq!(busy.take(), ["ping"], "quiet since");
     }
 }

@@ -108,6 +108,11 @@ impl StreamControl {
         self.written_ms.store(ms, Ordering::Relaxed);
     }
 
+    /// When the body last handed bytes to the socket (its creation, before the first write).
+    pub fn last_write(&self) -> Instant {
+        self.created + Duration::from_millis(self.written_ms.load(Ordering::Relaxed))
+    }
+
     /// How long since the body last handed bytes to the socket.
     pub fn idle_for(&self) -> Duration {
         let written = Duration::from_millis(self.written_ms.load(Ordering::Relaxed));

@@ -67,6 +67,17 @@ impl Progress {
     pub fn last_sent(&self) -> (Option<crate::model::Cursor>, u64) {
         self.0.last_sent()
     }
+
+    /// How long before `now` the stream last wrote anything (the prelude counts).
+    pub fn quiet_for(&self, now: std::time::Instant) -> std::time::Duration {
+        now.saturating_duration_since(self.0.last_write())
+    }
+
+    /// Records a write now, as the body does (a Router's test stand-in).
+    #[cfg(test)]
+    pub fn wrote(&self) {
+        self.0.wrote();
+    }
 }
 
 /// The HTTP edge's handle: opens streams on the worker thread that built it.
