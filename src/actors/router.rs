@@ -333,13 +333,14 @@ impl Handler<Membership> for Router {
         let mut sessions = Vec::new();
         for change in changes {
             match change {
-                Change::Join(register) => {
+                Change::Join(mut register) => {
                     if self.fleet.is_some() {
                         sessions.push(SessionChange::Opened {
                             device: register.device.clone(),
                             connection_id: register.route.connection_id,
                             opened_ms: register.route.opened_ms,
-                            peer: register.peer.clone(),
+                            // The Router keeps nothing of it.
+                            peer: std::mem::take(&mut register.peer),
                             progress: register.route.progress.clone(),
                         });
                     }
