@@ -12,8 +12,8 @@ use futures_util::{future::BoxFuture, stream::BoxStream, FutureExt, StreamExt};
 use tokio::sync::broadcast;
 
 use super::{
-    ack_moves, replaces, AckOutcome, DevicePage, DeviceRecord, FleetMessage, FleetSettings,
-    FleetStore, OnlineFilter, PresenceWrite, Session,
+    ack_moves, last_seen_ms, replaces, AckOutcome, DevicePage, DeviceRecord, FleetMessage,
+    FleetSettings, FleetStore, OnlineFilter, PresenceWrite, Session,
 };
 use crate::{
     backend::BackendResult,
@@ -95,11 +95,13 @@ impl State {
             .flatten();
         let online =
             stored.ended_ms.is_none() && alive(&self.instances, &stored.session.instance, now, ttl);
-        let last_seen_ms = match (stored.ended_ms, online) {
-            (Some(ended), _) => ended,
-            (None, true) => now,
-            (None, false) => beat.unwrap_or(stored.session.connected_ms),
-        };
+        let last_seen_ms = last_seen_ms(
+            stored.ended_ms,
+            online,
+            now,
+            beat,
+            stored.session.connected_ms,
+        );
         DeviceRecord {
             device: stored.session.device.clone(),
             online,
@@ -270,15 +272,7 @@ impl FleetStore for MemoryFleet {
             .devices
             .entry(device.clone())
             .or_insert_with(|| Stored {
-                session: Session {
-                    device: device.clone(),
-                    pod: String::new(),
-                    instance: String::new(),
-                    session: 0,
-                    connected_ms: 0,
-                    remote: String::new(),
-                    user_agent: String::new(),
-                },
+                session: Session::unknown(device),
                 ended_ms: Some(at_ms),
                 last_sent: None,
                 acked: None,

@@ -210,13 +210,24 @@ pub trait FleetStore: Send + Sync + 'static {
 pub const RACE_WINDOW: Duration = Duration::from_secs(2);
 
 impl Session {
+    /// The stand-in of a device acknowledged before any session of it was recorded.
+    pub fn unknown(device: &DeviceId) -> Self {
+        Session {
+            device: device.clone(),
+            pod: String::new(),
+            instance: String::new(),
+            session: 0,
+            connected_ms: 0,
+            remote: String::new(),
+            user_agent: String::new(),
+        }
+    }
+
     /// The order of a race: greater survives.
     pub fn rank(&self) -> (u64, &str, u64) {
         (self.connected_ms, &self.instance, self.session)
     }
-}
 
-impl Session {
     /// Whether `other` is the same session.
     pub fn is(&self, other: &Session) -> bool {
         self.instance == other.instance && self.session == other.session
@@ -229,6 +240,22 @@ impl Session {
 pub fn replaces(new: &Session, stored: &Session, stored_open: bool) -> bool {
     let race = new.connected_ms.abs_diff(stored.connected_ms) < RACE_WINDOW.as_millis() as u64;
     new.is(stored) || !stored_open || !race || new.rank() > stored.rank()
+}
+
+/// A record's `last_seen_ms`: when its session ended; now while it is online; else the last beat
+/// of its instance (a pod that died), or when it connected if no beat is known.
+pub fn last_seen_ms(
+    ended_ms: Option<u64>,
+    online: bool,
+    now_ms: u64,
+    last_beat_ms: Option<u64>,
+    connected_ms: u64,
+) -> u64 {
+    match (ended_ms, online) {
+        (Some(ended), _) => ended,
+        (None, true) => now_ms,
+        (None, false) => last_beat_ms.unwrap_or(connected_ms),
+    }
 }
 
 /// Whether an ack of `new` moves the device's acknowledged position forward from `stored`.

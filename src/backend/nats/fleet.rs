@@ -36,8 +36,8 @@ use super::{unavailable, Inner};
 use crate::{
     backend::{
         fleet::{
-            ack_moves, replaces, AckOutcome, DevicePage, DeviceRecord, FleetMessage, FleetSettings,
-            FleetStore, OnlineFilter, PresenceWrite, Session,
+            ack_moves, last_seen_ms, replaces, AckOutcome, DevicePage, DeviceRecord, FleetMessage,
+            FleetSettings, FleetStore, OnlineFilter, PresenceWrite, Session,
         },
         BackendError, BackendResult,
     },
@@ -341,11 +341,13 @@ impl NatsFleet {
             !stopping && now - at < self.settings.ttl.as_millis() as i64
         });
         let online = stored.ended_ms.is_none() && alive;
-        let last_seen_ms = match (stored.ended_ms, online) {
-            (Some(ended), _) => ended,
-            (None, true) => now.max(0) as u64,
-            (None, false) => beat.map_or(stored.session.connected_ms, |(at, _)| at.max(0) as u64),
-        };
+        let last_seen_ms = last_seen_ms(
+            stored.ended_ms,
+            online,
+            now.max(0) as u64,
+            beat.map(|(at, _)| at.max(0) as u64),
+            stored.session.connected_ms,
+        );
         let cursor = |text: &Option<String>| text.as_deref().and_then(|t| Cursor::parse(t).ok());
         DeviceRecord {
             device: device.clone(),
@@ -500,15 +502,7 @@ impl NatsFleet {
         let text = cursor.to_string();
         self.modify(&device_key(device.as_str()), |stored| {
             let mut stored = stored.unwrap_or_else(|| Stored {
-                session: Session {
-                    device: device.clone(),
-                    pod: String::new(),
-                    instance: String::new(),
-                    session: 0,
-                    connected_ms: 0,
-                    remote: String::new(),
-                    user_agent: String::new(),
-                },
+                session: Session::unknown(device),
                 ended_ms: Some(at_ms),
                 last_sent: None,
                 acked: None,

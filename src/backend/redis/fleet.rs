@@ -28,8 +28,8 @@ use super::{bad_reply, init, reply, unavailable};
 use crate::{
     backend::{
         fleet::{
-            AckOutcome, DevicePage, DeviceRecord, FleetMessage, FleetSettings, FleetStore,
-            OnlineFilter, PresenceWrite, RACE_WINDOW,
+            last_seen_ms, AckOutcome, DevicePage, DeviceRecord, FleetMessage, FleetSettings,
+            FleetStore, OnlineFilter, PresenceWrite, RACE_WINDOW,
         },
         BackendError, BackendResult,
     },
@@ -753,11 +753,13 @@ impl State {
         });
         let online = ended_ms.is_none() && alive;
         let connected_ms = number("connected_ms").unwrap_or(0);
-        let last_seen_ms = match (ended_ms, online) {
-            (Some(ended), _) => ended,
-            (None, true) => self.now_ms,
-            (None, false) => beat.map_or(connected_ms, i64::unsigned_abs),
-        };
+        let last_seen_ms = last_seen_ms(
+            ended_ms,
+            online,
+            self.now_ms,
+            beat.map(i64::unsigned_abs),
+            connected_ms,
+        );
         Some(DeviceRecord {
             device: device.clone(),
             online,
