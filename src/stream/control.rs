@@ -115,8 +115,7 @@ impl StreamControl {
 
     /// How long since the body last handed bytes to the socket.
     pub fn idle_for(&self) -> Duration {
-        let written = Duration::from_millis(self.written_ms.load(Ordering::Relaxed));
-        self.created.elapsed().saturating_sub(written)
+        self.last_write().elapsed()
     }
 
     pub fn set_closing_retry(&self, retry_ms: u32) {
