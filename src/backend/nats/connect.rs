@@ -335,13 +335,17 @@ mod tests {
         NatsConfig::try_from(raw).expect("valid")
     }
 
-    /// A file in a directory of its own, removed with it.
+    /// A file in a directory of its own, removed with it. The directory is numbered so that
+    /// tests running at once never share one: two files of the same name in one process used
+    /// to, and the first to be dropped took the other's file with it.
     struct TempFile(std::path::PathBuf);
 
     impl TempFile {
         fn new(name: &str, content: &[u8]) -> TempFile {
+            static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+            let number = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             let dir = std::env::temp_dir().join(format!(
-                "posthorn-nats-connect-{}-{name}",
+                "posthorn-nats-connect-{}-{number}",
                 std::process::id()
             ));
             std::fs::create_dir_all(&dir).expect("temp dir");
