@@ -6,35 +6,27 @@
 //! queued behind it waits: with one tenth of 10,000 connections pinged every 2 s, the bursts were
 //! visible in the unicast p99 (docs/BENCHMARKS.md).
 //!
-//! Members are not removed when their connection goes: a visit drops the ones whose route is
-//! gone or belongs to a newer connection, so a member outlives its connection by one heartbeat
-//! at most and unregistering costs nothing.
+//! Members are not removed when their connection goes: a visit drops the ones that are gone (the
+//! heartbeat's visit finds their route gone or taken over, the stall check their body dropped),
+//! so a member outlives its connection by one heartbeat at most and unregistering costs nothing.
 
 use std::time::Duration;
-
-use crate::model::DeviceId;
 
 /// Target time between two ticks.
 pub const TICK: Duration = Duration::from_millis(25);
 /// More slices than this would only make ticks emptier (a 20 s heartbeat needs 800).
 const MAX_SLICES: u32 = 4096;
 
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Member {
-    pub shard: u32,
-    pub device: DeviceId,
-    pub connection_id: u64,
-}
-
+/// The members' slices, visited in turn: `M` is what the Router keeps of a connection.
 #[derive(Debug)]
-pub struct Rotation {
-    slices: Vec<Vec<Member>>,
+pub struct Rotation<M> {
+    slices: Vec<Vec<M>>,
     /// One tick per slice: every member is visited once per `period`.
     period: Duration,
     joined: usize,
 }
 
-impl Rotation {
+impl<M> Rotation<M> {
     /// A rotation that visits every member once per `period`, one slice per tick.
     pub fn new(period: Duration) -> Self {
         let slices = (period.as_nanos() / TICK.as_nanos()).clamp(1, MAX_SLICES as u128) as usize;
@@ -66,14 +58,14 @@ impl Rotation {
     }
 
     /// Adds a member, round robin, so slices differ in size by one at most.
-    pub fn join(&mut self, member: Member) {
+    pub fn join(&mut self, member: M) {
         let slice = self.joined % self.slices.len();
         self.joined = self.joined.wrapping_add(1);
         self.slices[slice].push(member);
     }
 
     /// Visits every member of slice `index`; those for which `keep` answers false leave.
-    pub fn visit(&mut self, index: usize, keep: impl FnMut(&Member) -> bool) {
+    pub fn visit(&mut self, index: usize, keep: impl FnMut(&M) -> bool) {
         let count = self.slices.len();
         let slice = &mut self.slices[index % count];
         slice.retain(keep);
@@ -88,25 +80,20 @@ impl Rotation {
 mod tests {
     use super::*;
 
-    fn member(n: u64) -> Member {
-        Member {
-            shard: 0,
-            device: DeviceId::parse(&format!("pos-{n}")).unwrap(),
-            connection_id: n,
-        }
-    }
-
     #[test]
     fn slices_follow_the_period() {
-        assert_eq!(Rotation::new(Duration::from_secs(20)).slices(), 800);
-        assert_eq!(Rotation::new(Duration::from_millis(100)).slices(), 4);
-        assert_eq!(Rotation::new(Duration::from_millis(10)).slices(), 1);
-        assert_eq!(Rotation::new(Duration::from_secs(3600)).slices(), 4096);
-        let rotation = Rotation::new(Duration::from_secs(20));
+        assert_eq!(Rotation::<u64>::new(Duration::from_secs(20)).slices(), 800);
+        assert_eq!(Rotation::<u64>::new(Duration::from_millis(100)).slices(), 4);
+        assert_eq!(Rotation::<u64>::new(Duration::from_millis(10)).slices(), 1);
+        assert_eq!(
+            Rotation::<u64>::new(Duration::from_secs(3600)).slices(),
+            4096
+        );
+        let rotation = Rotation::<u64>::new(Duration::from_secs(20));
         assert_eq!(rotation.tick_interval(), Duration::from_millis(25));
         assert_eq!(rotation.slices_per_tick(Duration::from_secs(1)), 20);
         // Ticks of 879 ms: 3,600 of the 4,096 slices per tick cover all of them within 1 s.
-        let slow = Rotation::new(Duration::from_secs(3600));
+        let slow = Rotation::<u64>::new(Duration::from_secs(3600));
         let per_tick = slow.slices_per_tick(Duration::from_secs(1));
         assert!(per_tick as f64 * (1.0 / slow.tick_interval().as_secs_f64()) >= 4096.0);
         assert!(per_tick <= 4096);
@@ -114,16 +101,16 @@ mod tests {
 
     #[test]
     fn every_member_is_visited_once_per_round_in_small_slices() {
-        let mut rotation = Rotation::new(Duration::from_secs(1));
+        let mut rotation = Rotation::<u64>::new(Duration::from_secs(1));
         assert_eq!(rotation.slices(), 40);
         for n in 0..1000 {
-            rotation.join(member(n));
+            rotation.join(n);
         }
         let mut seen = vec![0u32; 1000];
         for index in 0..rotation.slices() {
             let mut in_slice = 0;
             rotation.visit(index, |m| {
-                seen[m.connection_id as usize] += 1;
+                seen[*m as usize] += 1;
                 in_slice += 1;
                 true
             });
@@ -134,18 +121,18 @@ mod tests {
 
     #[test]
     fn members_that_are_not_kept_leave() {
-        let mut rotation = Rotation::new(Duration::from_millis(50));
+        let mut rotation = Rotation::<u64>::new(Duration::from_millis(50));
         for n in 0..10 {
-            rotation.join(member(n));
+            rotation.join(n);
         }
         for index in 0..rotation.slices() {
-            rotation.visit(index, |m| m.connection_id % 2 == 0);
+            rotation.visit(index, |m| *m % 2 == 0);
         }
         assert_eq!(rotation.slices.iter().map(Vec::len).sum::<usize>(), 5);
         let mut left = Vec::new();
         for index in 0..rotation.slices() {
             rotation.visit(index, |m| {
-                left.push(m.connection_id);
+                left.push(*m);
                 true
             });
         }

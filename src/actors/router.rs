@@ -29,14 +29,17 @@ use bytes::Bytes;
 
 use super::{
     fleet::{SessionChange, SessionChanges},
-    rotation::{Member, Rotation},
+    rotation::Rotation,
 };
 use crate::{
     backend::fleet::RACE_WINDOW,
     metrics::{Metrics, RouteResult},
     model::{CloseReason, DeviceId, EpochId, Position, ResyncReason, Target},
     sse::QueueItem,
-    stream::{Change, Close, DrainTarget, Membership, Register, Route, TrySendError, Unregister},
+    stream::{
+        Change, Close, DrainTarget, Membership, QueueWatch, Register, Route, TrySendError,
+        Unregister, Waiting,
+    },
 };
 
 /// How often every queue is checked for a stalled client.
@@ -94,6 +97,15 @@ pub struct CloseOlder {
     pub session: u64,
 }
 
+/// What the rotation keeps of a connection.
+#[derive(Debug)]
+struct Member {
+    shard: u32,
+    device: DeviceId,
+    connection_id: u64,
+    queue: QueueWatch,
+}
+
 /// Control handles of every connection, in registration order (for a drain).
 #[derive(Message)]
 #[rtype(result = "Vec<DrainTarget>")]
@@ -103,7 +115,7 @@ pub struct Router {
     /// Connections per shard, so a broadcast copy visits only the devices of its shard.
     shards: Vec<HashMap<DeviceId, Route>>,
     /// Every connection, in slices: one slice is pinged per tick.
-    rotation: Rotation,
+    rotation: Rotation<Member>,
     ticks: usize,
     /// Evict a client whose queued events waited this long without progress (zero: never).
     stall_timeout: Duration,
@@ -251,16 +263,29 @@ impl Router {
         });
     }
 
+    /// Evicts the streams of slice `index` whose queues have stalled. Runs for every stream once
+    /// a second, so it asks each queue directly and looks a route up only to evict it.
     fn evict_stalled(&mut self, index: usize, now: Instant) {
         let stall_timeout = self.stall_timeout;
-        self.sweep(index, |route| {
-            let waited = route.queue.stalled_for(now);
-            if waited.is_some_and(|waited| waited >= stall_timeout) {
-                Verdict::Evict
-            } else {
-                Verdict::Keep
+        let mut stalled = Vec::new();
+        self.rotation
+            .visit(index, |member| match member.queue.waiting(now) {
+                Waiting::BodyGone => false,
+                Waiting::For(waited) if waited >= stall_timeout => {
+                    stalled.push((member.shard, member.device.clone(), member.connection_id));
+                    false
+                }
+                Waiting::For(_) | Waiting::Nothing => true,
+            });
+        for (shard, device, connection_id) in stalled {
+            // Not the stream of another connection that took the device over since.
+            let current = self.shards[shard as usize]
+                .get(&device)
+                .is_some_and(|route| route.connection_id == connection_id);
+            if current {
+                self.evict(shard, &device);
             }
-        });
+        }
     }
 }
 
@@ -402,6 +427,7 @@ impl Router {
             shard: register.shard,
             device: register.device.clone(),
             connection_id: register.route.connection_id,
+            queue: register.route.queue.watch(),
         });
         if let Some(previous) =
             self.shards[register.shard as usize].insert(register.device, register.route)
@@ -900,6 +926,24 @@ mod tests {
         assert_eq!(stalled.take(), ["event 1"]);
         assert_eq!(idle.take(), ["event 4"]);
         assert_eq!(replaying.take(), ["event 2", "event 5"]);
+    }
+
+    /// A stream that stalled after another connection took its device over is not the
+    /// device's stream any more: the sweep must not evict its successor, which reads.
+    #[actix_rt::test]
+    async fn the_stall_sweep_spares_the_successor_of_a_stalled_stream() {
+        let stall = Duration::from_secs(10);
+        let mut fixture = Fixture::with(1, Duration::from_secs(20), stall);
+        let old = fixture.connect("pos-1", 0, 8);
+        fixture.unicast(&old, 1);
+        let mut new = fixture.connect("pos-1", 0, 8);
+        let later = Instant::now() + 2 * stall;
+        for index in 0..fixture.router.rotation.slices() {
+            fixture.router.evict_stalled(index, later);
+        }
+        assert_eq!(fixture.closes().await, [(old.id, CloseReason::Takeover)]);
+        fixture.unicast(&new, 2);
+        assert_eq!(new.take(), ["event 2"]);
     }
 
     /// The same, driven by the Router's own timer: a short heartbeat and stall timeout.

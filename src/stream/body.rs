@@ -351,7 +351,7 @@ mod tests {
     use crate::{
         model::Epoch,
         stream::{
-            queue::{self, QueueSender},
+            queue::{self, QueueSender, Waiting},
             tests::{chunks, read, Ending},
         },
     };
@@ -554,8 +554,8 @@ mod tests {
         );
         let in_an_hour = Instant::now() + Duration::from_secs(3600);
         assert_eq!(
-            stream.live.as_ref().unwrap().stalled_for(in_an_hour),
-            None,
+            stream.live.as_ref().unwrap().watch().waiting(in_an_hour),
+            Waiting::Nothing,
             "live events waiting behind a replay are not a stall"
         );
         stream.replay(QueueItem::ReplayEnd);

@@ -26,7 +26,7 @@ pub use connection::{AnnounceRetry, BodyDropped, Close, DrainTarget, OpenStream}
 pub use control::ConnectionSocket;
 use control::StreamControl as ConnectionControl;
 pub use membership::{Change, Membership, Register, RouterGone, Unregister};
-pub use queue::{QueueSender, TrySendError};
+pub use queue::{QueueSender, QueueWatch, TrySendError, Waiting};
 
 use crate::{metrics::Metrics, model::CloseReason, pod::PodState, replay::Replayer};
 use connection::Connection;

@@ -81,14 +81,15 @@ impl Shared {
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
-    fn stalled_for(&self, now: Instant) -> Option<Duration> {
+    fn waiting(&self, now: Instant) -> Waiting {
         let state = self.lock();
-        if state.replaying {
-            return None;
+        if !state.receiver_alive {
+            return Waiting::BodyGone;
         }
-        state
-            .waiting_since
-            .map(|since| now.saturating_duration_since(since))
+        match state.waiting_since {
+            Some(since) if !state.replaying => Waiting::For(now.saturating_duration_since(since)),
+            _ => Waiting::Nothing,
+        }
     }
 }
 
@@ -120,9 +121,37 @@ impl QueueSender {
         Ok(())
     }
 
-    /// How long the oldest waiting item has waited without the body taking anything.
-    pub fn stalled_for(&self, now: Instant) -> Option<Duration> {
-        self.shared.stalled_for(now)
+    /// A view of this queue for the stall check, which neither sends nor keeps the body going.
+    pub fn watch(&self) -> QueueWatch {
+        QueueWatch {
+            shared: self.shared.clone(),
+        }
+    }
+}
+
+/// What the stall check sees of a queue.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Waiting {
+    /// Its body has been dropped: nothing to check any more.
+    BodyGone,
+    /// Nothing waits, or what waits is held back by a replay on purpose.
+    Nothing,
+    /// The oldest item has waited this long without the body taking anything.
+    For(Duration),
+}
+
+/// The stall check's handle on a queue: not a sender, so it neither delays the end of the body
+/// nor counts for it. The Router's rotation keeps one per connection, so a check reaches the
+/// queue directly instead of through the route map (a hash of the device and three more pieces
+/// of memory per connection per second: docs/BENCHMARKS.md).
+#[derive(Debug, Clone)]
+pub struct QueueWatch {
+    shared: Arc<Shared>,
+}
+
+impl QueueWatch {
+    pub fn waiting(&self, now: Instant) -> Waiting {
+        self.shared.waiting(now)
     }
 }
 
@@ -253,19 +282,41 @@ mod tests {
     #[test]
     fn stall_age_counts_from_the_last_progress() {
         let (sender, mut receiver) = channel(8);
+        let watch = sender.watch();
         let now = Instant::now();
-        assert_eq!(sender.stalled_for(now), None, "empty: nothing waits");
+        assert_eq!(watch.waiting(now), Waiting::Nothing, "empty: nothing waits");
         sender.try_send(QueueItem::Ping).unwrap();
         sender.try_send(QueueItem::Ping).unwrap();
         let later = Instant::now() + Duration::from_secs(5);
-        assert!(sender.stalled_for(later).unwrap() >= Duration::from_secs(4));
+        assert!(
+            matches!(watch.waiting(later), Waiting::For(waited) if waited >= Duration::from_secs(4))
+        );
         let _ = poll(&mut receiver);
         assert!(
-            sender.stalled_for(Instant::now()).unwrap() < Duration::from_secs(1),
+            matches!(watch.waiting(Instant::now()), Waiting::For(waited) if waited < Duration::from_secs(1)),
             "taking an item is progress"
         );
         let _ = poll(&mut receiver);
-        assert_eq!(sender.stalled_for(later), None);
+        assert_eq!(watch.waiting(later), Waiting::Nothing);
+        sender.try_send(QueueItem::Ping).unwrap();
+        receiver.set_replaying(true);
+        assert_eq!(
+            watch.waiting(later),
+            Waiting::Nothing,
+            "held back by a replay"
+        );
+        drop(receiver);
+        assert_eq!(watch.waiting(later), Waiting::BodyGone);
+    }
+
+    /// The stall check's watch is not a sender: the body ends when the last sender goes.
+    #[test]
+    fn a_watch_does_not_keep_the_body_going() {
+        let (sender, mut receiver) = channel(2);
+        let watch = sender.watch();
+        drop(sender);
+        assert!(matches!(poll(&mut receiver), Poll::Ready(None)));
+        assert_eq!(watch.waiting(Instant::now()), Waiting::Nothing);
     }
 
     #[tokio::test]
