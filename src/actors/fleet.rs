@@ -139,6 +139,9 @@ pub struct Fleet {
     local: HashMap<DeviceId, Local>,
     /// The fleet as this pod hears it.
     view: HashMap<DeviceId, Seen>,
+    /// A device's `reported` may have changed since `fleet_devices_online` was counted: the
+    /// count walks the whole view, too much for every evaluation with 10,000 devices.
+    recount_online: bool,
     instances: HashMap<String, InstanceSeen>,
     /// Devices whose state changed, with when their debounce ends (in order of that time).
     due: VecDeque<(Instant, DeviceId)>,
@@ -172,6 +175,7 @@ impl Fleet {
             flushing: false,
             local: HashMap::new(),
             view: HashMap::new(),
+            recount_online: true,
             instances: HashMap::new(),
             due: VecDeque::new(),
             remote_connects: HashMap::new(),
@@ -411,9 +415,11 @@ impl Fleet {
             let (_, device) = self.due.pop_front().expect("checked");
             self.decide(&device, now);
         }
-        self.metrics
-            .fleet_devices_online
-            .set(self.view.values().filter(|seen| seen.reported).count() as i64);
+        if std::mem::take(&mut self.recount_online) {
+            self.metrics
+                .fleet_devices_online
+                .set(self.view.values().filter(|seen| seen.reported).count() as i64);
+        }
         self.remote_connects
             .retain(|_, (_, heard)| heard.elapsed() < RACE_WINDOW);
     }
@@ -425,6 +431,7 @@ impl Fleet {
         };
         let online = seen.open && self.alive(&seen.session.instance, now);
         let open = seen.open;
+        self.recount_online = true;
         if online != seen.reported {
             let frame = event_frame(online, device, &seen.session.pod);
             self.publish(frame);
@@ -620,6 +627,7 @@ impl Fleet {
                 }
             };
             let now = Instant::now();
+            fleet.recount_online = true;
             let listed: HashSet<DeviceId> =
                 records.iter().map(|record| record.device.clone()).collect();
             for record in records {
