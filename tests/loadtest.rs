@@ -106,6 +106,74 @@ async fn unicast_and_broadcast_fanout_count_every_delivery() {
     assert!(svg.starts_with("<svg") && svg.contains("polyline"));
 }
 
+/// `--events-per-request 1` publishes every event in a request of its own (one object, the
+/// requests pipelined): the hub answers one publish per event and every delivery still arrives
+/// once. The option is refused where it means nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn events_can_be_published_one_per_request() {
+    let hub = Hub::builder().start().await;
+    let url = hub.base_url();
+    let publishes = || async {
+        support::metrics::scrape(hub.addr())
+            .await
+            .value_or_zero("publish_duration_seconds_count", &[])
+    };
+    let before = publishes().await;
+    let report = run_ok(&[
+        "fanout",
+        "--url",
+        &url,
+        "-n",
+        "20",
+        "--mode",
+        "unicast",
+        "--rate",
+        "200",
+        "--duration",
+        "1s",
+        "--events-per-request",
+        "1",
+    ])
+    .await;
+    assert_eq!(report["lossless"], true, "{report}");
+    assert_eq!(u(&report["deliveries"]["distinct"]), 200, "{report}");
+    assert_eq!(publishes().await - before, 200.0, "one request per event");
+
+    let before = publishes().await;
+    let report = run_ok(&[
+        "fanout",
+        "--url",
+        &url,
+        "-n",
+        "20",
+        "--mode",
+        "unicast",
+        "--rate",
+        "200",
+        "--duration",
+        "1s",
+    ])
+    .await;
+    assert_eq!(u(&report["deliveries"]["distinct"]), 200, "{report}");
+    let batched = publishes().await - before;
+    assert!(
+        batched < 200.0,
+        "by default the due events share a request: {batched}"
+    );
+
+    for refused in [
+        &["--events-per-request", "0"][..],
+        &["--events-per-request", "1001"],
+        &["--events-per-request", "1", "--peer", "nchan"],
+    ] {
+        let mut args = vec!["fanout", "--url", &url, "-n", "1", "--duration", "1s"];
+        args.extend_from_slice(refused);
+        let (code, _, text) = loadtest(&args).await;
+        assert_eq!(code, EX_USAGE, "{refused:?}: {text}");
+        assert!(text.contains("--events-per-request"), "{text}");
+    }
+}
+
 /// The accounting is exact: events appended to the hub's log while the tool publishes are not
 /// mistaken for its own, and a device the hub routes wrongly would count as misrouted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

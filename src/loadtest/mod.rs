@@ -172,6 +172,11 @@ pub struct PublishOptions {
     /// Publish API base URL when it differs from --url (nchan's slow-consumer listener).
     #[arg(long)]
     pub publish_url: Option<String>,
+    /// posthorn's HTTP publish only: at most this many events per `POST /v1/events` (1: each
+    /// event alone, as one object), the requests pipelined over 8 connections as nchan's are.
+    /// Without it, every event that is due goes in one request (up to 1,000) on one connection.
+    #[arg(long)]
+    pub events_per_request: Option<usize>,
     /// Redis for --publish-via redis (standalone layout).
     #[arg(long, default_value = "127.0.0.1:6379")]
     pub redis: String,
@@ -394,11 +399,27 @@ impl Run {
 
     fn publish_route(&self, options: &PublishOptions) -> Result<publisher::Route, LoadtestError> {
         let allow_remote = !self.endpoint.addr.ip().is_loopback();
+        if let Some(count) = options.events_per_request {
+            if options.publish_via != PublishVia::Http || self.peer != Peer::Posthorn {
+                return Err(LoadtestError::Usage(
+                    "--events-per-request applies to posthorn's HTTP publish only".into(),
+                ));
+            }
+            if !(1..=publisher::POSTHORN_MAX_BATCH).contains(&count) {
+                return Err(LoadtestError::Usage(format!(
+                    "--events-per-request must be 1 to {} (got {count})",
+                    publisher::POSTHORN_MAX_BATCH
+                )));
+            }
+        }
         Ok(match options.publish_via {
-            PublishVia::Http => publisher::Route::Http(match &options.publish_url {
-                Some(url) => Endpoint::parse(url, allow_remote, &self.tls)?,
-                None => self.endpoint.clone(),
-            }),
+            PublishVia::Http => publisher::Route::Http {
+                endpoint: match &options.publish_url {
+                    Some(url) => Endpoint::parse(url, allow_remote, &self.tls)?,
+                    None => self.endpoint.clone(),
+                },
+                events_per_request: options.events_per_request,
+            },
             PublishVia::Redis => publisher::Route::Redis {
                 endpoint: Endpoint::resolve(&options.redis, 6379, allow_remote)
                     .map_err(|why| LoadtestError::Usage(format!("--redis: {why}")))?,
@@ -501,6 +522,18 @@ pub fn run(args: LoadtestArgs) -> Result<(), LoadtestError> {
     };
     let (time_limit, threads) = (common.time_limit, common.threads);
     let run = Run::new(common)?;
+    let publish = match &args.scenario {
+        Scenario::Idle(a) => Some(&a.publish),
+        Scenario::Storm(a) => Some(&a.publish),
+        Scenario::Fanout(a) => Some(&a.publish),
+        Scenario::Slow(a) => Some(&a.publish),
+        Scenario::Resume(a) => Some(&a.publish),
+        Scenario::Drain(_) | Scenario::Plan(_) => None,
+    };
+    // Checked before any connection opens: a bad option is a usage error, not a failed run.
+    if let Some(options) = publish {
+        run.publish_route(options)?;
+    }
     match rlimit::increase_nofile_limit(u64::MAX) {
         Ok(limit) if (limit as usize) < run.devices.len() + 64 => {
             return Err(LoadtestError::Usage(format!(

@@ -1,7 +1,8 @@
-//! Publishing load-test events to the server under test: posthorn's `POST /v1/events` (batched),
-//! straight into Redis Streams with `XADD` as an external producer would (the entry format of
-//! docs/stream-format.md, standalone key layout), or nchan's `POST /pub/{channel}` (one message
-//! per request, pipelined over several keep-alive connections, as nchan has no batch publish).
+//! Publishing load-test events to the server under test: posthorn's `POST /v1/events` (batched,
+//! or a set number of events per request pipelined like nchan's), straight into Redis Streams
+//! with `XADD` as an external producer would (the entry format of docs/stream-format.md,
+//! standalone key layout), or nchan's `POST /pub/{channel}` (one message per request, pipelined
+//! over several keep-alive connections, as nchan has no batch publish).
 
 use std::io;
 
@@ -9,10 +10,11 @@ use tokio::io::AsyncWriteExt;
 
 use super::{wire, Endpoint, Peer};
 
-/// nchan publishes one message per request: spread them over this many connections.
-const NCHAN_PUBLISH_CONNECTIONS: usize = 8;
+/// Connections that pipelined requests are spread over (nchan's, and posthorn's with a set
+/// number of events per request).
+const PIPELINED_CONNECTIONS: usize = 8;
 /// posthorn's default `limits.max_batch`.
-const POSTHORN_MAX_BATCH: usize = 1000;
+pub const POSTHORN_MAX_BATCH: usize = 1000;
 
 /// One event: to a device (index into the run's device names) or a broadcast.
 pub struct Outgoing {
@@ -22,6 +24,11 @@ pub struct Outgoing {
 
 pub enum Publisher {
     Posthorn(Connection),
+    /// posthorn with `events_per_request` events per request, pipelined.
+    PosthornPipelined {
+        connections: Vec<Connection>,
+        events_per_request: usize,
+    },
     Nchan(Vec<Connection>),
     Redis {
         connection: Connection,
@@ -49,7 +56,11 @@ impl Connection {
 /// How events reach the server.
 #[derive(Debug, Clone)]
 pub enum Route {
-    Http(Endpoint),
+    Http {
+        endpoint: Endpoint,
+        /// posthorn only: a set number of events per request, pipelined.
+        events_per_request: Option<usize>,
+    },
     Redis {
         endpoint: Endpoint,
         prefix: String,
@@ -72,15 +83,25 @@ impl Publisher {
                 prefix: prefix.clone(),
                 shards: *shards,
             },
-            (Peer::Posthorn, Route::Http(endpoint)) => {
-                Publisher::Posthorn(Connection::open(endpoint).await?)
-            }
-            (Peer::Nchan, Route::Http(endpoint)) => {
-                let mut connections = Vec::new();
-                for _ in 0..NCHAN_PUBLISH_CONNECTIONS {
-                    connections.push(Connection::open(endpoint).await?);
-                }
-                Publisher::Nchan(connections)
+            (
+                Peer::Posthorn,
+                Route::Http {
+                    endpoint,
+                    events_per_request: None,
+                },
+            ) => Publisher::Posthorn(Connection::open(endpoint).await?),
+            (
+                Peer::Posthorn,
+                Route::Http {
+                    endpoint,
+                    events_per_request: Some(events_per_request),
+                },
+            ) => Publisher::PosthornPipelined {
+                connections: open_pipelined(endpoint).await?,
+                events_per_request: *events_per_request,
+            },
+            (Peer::Nchan, Route::Http { endpoint, .. }) => {
+                Publisher::Nchan(open_pipelined(endpoint).await?)
             }
         })
     }
@@ -93,6 +114,21 @@ impl Publisher {
                     posthorn_batch(connection, devices, batch).await?;
                 }
                 Ok(())
+            }
+            Publisher::PosthornPipelined {
+                connections,
+                events_per_request,
+            } => {
+                let requests: Vec<&[Outgoing]> = events.chunks(*events_per_request).collect();
+                let count = connections.len();
+                let work = connections
+                    .iter_mut()
+                    .enumerate()
+                    .map(|(lane, connection)| {
+                        let share = requests.iter().skip(lane).step_by(count).copied();
+                        posthorn_pipeline(connection, devices, share)
+                    });
+                futures_util::future::try_join_all(work).await.map(|_| ())
             }
             Publisher::Nchan(connections) => {
                 let count = connections.len();
@@ -114,13 +150,22 @@ impl Publisher {
     }
 }
 
-async fn posthorn_batch(
-    connection: &mut Connection,
-    devices: &[String],
-    batch: &[Outgoing],
-) -> io::Result<()> {
+async fn open_pipelined(endpoint: &Endpoint) -> io::Result<Vec<Connection>> {
+    let mut connections = Vec::with_capacity(PIPELINED_CONNECTIONS);
+    for _ in 0..PIPELINED_CONNECTIONS {
+        connections.push(Connection::open(endpoint).await?);
+    }
+    Ok(connections)
+}
+
+/// One `POST /v1/events` of `batch`: a JSON array, or the event's own object when `batch` holds
+/// one event and `single` is set.
+fn posthorn_request(host: &str, devices: &[String], batch: &[Outgoing], single: bool) -> String {
     let mut body = String::with_capacity(batch.iter().map(|e| e.data.len() + 48).sum());
-    body.push('[');
+    let array = !(single && batch.len() == 1);
+    if array {
+        body.push('[');
+    }
     for (i, event) in batch.iter().enumerate() {
         if i > 0 {
             body.push(',');
@@ -137,23 +182,61 @@ async fn posthorn_batch(
         body.push_str(&event.data);
         body.push_str("\"}");
     }
-    body.push(']');
-    let request = format!(
-        "POST /v1/events HTTP/1.1\r\nHost: {}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-        connection.endpoint.host,
+    if array {
+        body.push(']');
+    }
+    format!(
+        "POST /v1/events HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
         body.len()
-    );
+    )
+}
+
+fn posthorn_answer(status: u16, answer: &[u8]) -> io::Result<()> {
+    if status != 201 {
+        return Err(io::Error::other(format!(
+            "publish answered {status}: {}",
+            String::from_utf8_lossy(answer)
+        )));
+    }
+    Ok(())
+}
+
+async fn posthorn_batch(
+    connection: &mut Connection,
+    devices: &[String],
+    batch: &[Outgoing],
+) -> io::Result<()> {
+    let request = posthorn_request(&connection.endpoint.host, devices, batch, false);
     let (status, answer) = wire::request(
         &mut connection.stream,
         &mut connection.buf,
         request.as_bytes(),
     )
     .await?;
-    if status != 201 {
-        return Err(io::Error::other(format!(
-            "publish answered {status}: {}",
-            String::from_utf8_lossy(&answer)
-        )));
+    posthorn_answer(status, &answer)
+}
+
+/// Writes every request of `batches` at once, then reads their answers in order.
+async fn posthorn_pipeline<'a>(
+    connection: &mut Connection,
+    devices: &[String],
+    batches: impl Iterator<Item = &'a [Outgoing]>,
+) -> io::Result<()> {
+    let mut requests = Vec::new();
+    let mut count = 0;
+    for batch in batches {
+        let request = posthorn_request(&connection.endpoint.host, devices, batch, true);
+        requests.extend_from_slice(request.as_bytes());
+        count += 1;
+    }
+    if count == 0 {
+        return Ok(());
+    }
+    connection.stream.write_all(&requests).await?;
+    for _ in 0..count {
+        let (status, answer) =
+            wire::read_response(&mut connection.stream, &mut connection.buf).await?;
+        posthorn_answer(status, &answer)?;
     }
     Ok(())
 }
