@@ -28,6 +28,9 @@ pub enum Publisher {
     PosthornPipelined {
         connections: Vec<Connection>,
         events_per_request: usize,
+        /// The connection the next request goes to: requests go round all of them, so none
+        /// sits idle past the server's timeout for a first request.
+        next: usize,
     },
     Nchan(Vec<Connection>),
     Redis {
@@ -99,6 +102,7 @@ impl Publisher {
             ) => Publisher::PosthornPipelined {
                 connections: open_pipelined(endpoint).await?,
                 events_per_request: *events_per_request,
+                next: 0,
             },
             (Peer::Nchan, Route::Http { endpoint, .. }) => {
                 Publisher::Nchan(open_pipelined(endpoint).await?)
@@ -118,14 +122,17 @@ impl Publisher {
             Publisher::PosthornPipelined {
                 connections,
                 events_per_request,
+                next,
             } => {
                 let requests: Vec<&[Outgoing]> = events.chunks(*events_per_request).collect();
                 let count = connections.len();
+                let first = *next;
+                *next = (first + requests.len()) % count;
                 let work = connections
                     .iter_mut()
                     .enumerate()
                     .map(|(lane, connection)| {
-                        let share = requests.iter().skip(lane).step_by(count).copied();
+                        let share = lane_share(&requests, first, lane, count).copied();
                         posthorn_pipeline(connection, devices, share)
                     });
                 futures_util::future::try_join_all(work).await.map(|_| ())
@@ -148,6 +155,21 @@ impl Publisher {
             } => redis_pipeline(connection, devices, events, prefix, *shards).await,
         }
     }
+}
+
+/// The requests of connection `lane` of `count` when the first request goes to `first`: request
+/// k of the publish goes to connection (first + k) mod count, so that successive publishes go
+/// round every connection.
+fn lane_share<T>(
+    requests: &[T],
+    first: usize,
+    lane: usize,
+    count: usize,
+) -> impl Iterator<Item = &T> {
+    requests
+        .iter()
+        .skip((lane + count - first) % count)
+        .step_by(count)
 }
 
 async fn open_pipelined(endpoint: &Endpoint) -> io::Result<Vec<Connection>> {
@@ -356,5 +378,33 @@ async fn read_resp_reply(connection: &mut Connection) -> io::Result<()> {
             return Err(io::Error::other("Redis closed the connection"));
         }
         connection.buf.extend_from_slice(&chunk[..n]);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Publishes of any size keep going round the connections: request n of the whole run goes
+    /// to connection n mod count.
+    #[test]
+    fn pipelined_requests_go_round_every_connection() {
+        let count = 8;
+        let mut next = 0;
+        let mut sent = 0;
+        for size in [5, 5, 6, 1, 0, 13, 8, 3] {
+            let requests: Vec<usize> = (sent..sent + size).collect();
+            let mut seen = Vec::new();
+            for lane in 0..count {
+                for &request in lane_share(&requests, next, lane, count) {
+                    assert_eq!(request % count, lane, "request {request}");
+                    seen.push(request);
+                }
+            }
+            seen.sort();
+            assert_eq!(seen, requests, "each request once");
+            next = (next + size) % count;
+            sent += size;
+        }
     }
 }
