@@ -236,6 +236,9 @@ impl Drop for QueueReceiver {
         state.waiting_since = None;
         drop(state);
         drop(items);
+        // The body's waker holds its task's memory; the Router's watch on this queue may
+        // outlive the body by a heartbeat, and must not hold that memory too.
+        drop(self.shared.waker.take());
     }
 }
 
@@ -317,6 +320,33 @@ mod tests {
         drop(sender);
         assert!(matches!(poll(&mut receiver), Poll::Ready(None)));
         assert_eq!(watch.waiting(Instant::now()), Waiting::Nothing);
+    }
+
+    /// The Router's watch may outlive the body: the body's waker (and with it its task's
+    /// memory) must not.
+    #[test]
+    fn a_dropped_body_leaves_no_waker_behind() {
+        struct Task;
+        impl std::task::Wake for Task {
+            fn wake(self: Arc<Self>) {}
+        }
+        let task = Arc::new(Task);
+        let waker = Waker::from(task.clone());
+        let (sender, mut receiver) = channel(2);
+        let watch = sender.watch();
+        assert!(receiver
+            .poll_recv(&mut Context::from_waker(&waker))
+            .is_pending());
+        drop(waker);
+        assert_eq!(
+            Arc::strong_count(&task),
+            2,
+            "the queue holds the body's waker"
+        );
+        drop(receiver);
+        assert_eq!(Arc::strong_count(&task), 1, "released with the body");
+        assert_eq!(watch.waiting(Instant::now()), Waiting::BodyGone);
+        drop(sender);
     }
 
     #[tokio::test]
