@@ -30,7 +30,7 @@ use bytes::Bytes;
 use futures_util::FutureExt;
 use tokio::sync::mpsc;
 
-use super::router::CloseOlder;
+use super::{rotation::Rotation, router::CloseOlder};
 use crate::{
     backend::{
         fleet::{
@@ -54,7 +54,10 @@ const FLUSH_TIMEOUT: Duration = Duration::from_secs(5);
 const MAX_PENDING: usize = 200_000;
 /// How often due debounce decisions and silent instances are looked at.
 const EVALUATE_EVERY: Duration = Duration::from_millis(250);
-/// How often the last sent id of open streams is written.
+/// How often the last sent id of an open stream is written (if it changed). Streams are sampled
+/// a small slice at a time, each once per period: 10,000 writes at once held the store (a Redis
+/// script over 10,000 keys, which the tails' reads waited behind) and a core for milliseconds,
+/// and the p99 of events published meanwhile grew several-fold (docs/BENCHMARKS.md, tenth run).
 const PROGRESS_EVERY: Duration = Duration::from_secs(5);
 /// Longest time between two writes of an open session's record, so that `presence.retention`
 /// never forgets a device that stays connected without being sent anything.
@@ -104,6 +107,8 @@ struct Local {
     progress: Progress,
     /// The progress counter when last written.
     written: u64,
+    /// When its session was last written whole (see [`REFRESH_AT_MOST`]).
+    refreshed: Instant,
 }
 
 /// One device in this pod's view of the fleet.
@@ -137,6 +142,12 @@ pub struct Fleet {
     pending_messages: Vec<FleetMessage>,
     flushing: bool,
     local: HashMap<DeviceId, Local>,
+    /// The local streams (device, connection), visited a slice per tick for their progress
+    /// samples and session refreshes; a member whose stream is gone leaves at its visit.
+    sampling: Rotation<(DeviceId, u64)>,
+    next_slice: usize,
+    /// How often an open session is written again, so that retention does not forget it.
+    refresh_every: Duration,
     /// The fleet as this pod hears it.
     view: HashMap<DeviceId, Seen>,
     /// A device's `reported` may have changed since `fleet_devices_online` was counted: the
@@ -166,6 +177,7 @@ impl Fleet {
             store,
             router,
             metrics,
+            refresh_every: (config.retention / 4).min(REFRESH_AT_MOST),
             pod: config.effective_pod_name(),
             config,
             shards,
@@ -174,6 +186,8 @@ impl Fleet {
             pending_messages: Vec::new(),
             flushing: false,
             local: HashMap::new(),
+            sampling: Rotation::new(PROGRESS_EVERY),
+            next_slice: 0,
             view: HashMap::new(),
             recount_online: true,
             instances: HashMap::new(),
@@ -219,6 +233,7 @@ impl Fleet {
                         self.close_older(remote);
                     }
                 }
+                self.sampling.join((device.clone(), connection_id));
                 self.local.insert(
                     device,
                     Local {
@@ -226,6 +241,7 @@ impl Fleet {
                         connection_id,
                         progress,
                         written: 0,
+                        refreshed: Instant::now(),
                     },
                 );
                 self.pending_writes
@@ -450,26 +466,44 @@ impl Fleet {
             .retain(|subscriber| subscriber.try_send(frame.clone()).is_ok());
     }
 
-    /// Queues the last sent id of every local stream that wrote since its last sample.
-    fn sample_progress(&mut self) {
-        let instance = &self.instance;
-        for (device, local) in &mut self.local {
+    /// Visits the next slice of local streams: queues the last sent id of those that wrote
+    /// since their last sample, and the session of those not written for `refresh_every`.
+    fn sample_slice(&mut self, now: Instant) {
+        let index = self.next_slice;
+        self.next_slice = (index + 1) % self.sampling.slices();
+        let Self {
+            sampling,
+            local,
+            pending_writes,
+            instance,
+            refresh_every,
+            ..
+        } = self;
+        sampling.visit(index, |(device, connection_id)| {
+            let Some(local) = local
+                .get_mut(device)
+                .filter(|local| local.connection_id == *connection_id)
+            else {
+                return false;
+            };
             let (last_sent, changes) = local.progress.last_sent();
-            if changes == local.written {
-                continue;
+            if changes != local.written {
+                local.written = changes;
+                if let Some(last_sent) = last_sent {
+                    let session = SessionRef {
+                        device: device.clone(),
+                        instance: instance.clone(),
+                        session: *connection_id,
+                    };
+                    pending_writes.push(PresenceWrite::Sent { session, last_sent });
+                }
             }
-            local.written = changes;
-            let Some(last_sent) = last_sent else {
-                continue;
-            };
-            let session = SessionRef {
-                device: device.clone(),
-                instance: instance.clone(),
-                session: local.connection_id,
-            };
-            self.pending_writes
-                .push(PresenceWrite::Sent { session, last_sent });
-        }
+            if now.saturating_duration_since(local.refreshed) >= *refresh_every {
+                local.refreshed = now;
+                pending_writes.push(PresenceWrite::Online(local.session.clone()));
+            }
+            true
+        });
     }
 
     /// Keeps the pending writes within [`MAX_PENDING`]: progress samples superseded by a later
@@ -706,15 +740,8 @@ impl Actor for Fleet {
         ctx.run_interval(SUBSCRIBER_PING, |fleet, _| {
             fleet.publish(crate::sse::frame::PING);
         });
-        ctx.run_interval(PROGRESS_EVERY, |fleet, _| fleet.sample_progress());
-        let refresh = (self.config.retention / 4).min(REFRESH_AT_MOST);
-        ctx.run_interval(refresh, |fleet, _| {
-            let sessions: Vec<PresenceWrite> = fleet
-                .local
-                .values()
-                .map(|local| PresenceWrite::Online(local.session.clone()))
-                .collect();
-            fleet.pending_writes.extend(sessions);
+        ctx.run_interval(self.sampling.tick_interval(), |fleet, _| {
+            fleet.sample_slice(Instant::now());
         });
     }
 }
@@ -775,5 +802,155 @@ impl Handler<Farewell> for Fleet {
             .boxed_local()
             .into_actor(self),
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::fleet::{memory::MemoryFleet, FleetSettings};
+
+    struct NoRouter;
+
+    impl Actor for NoRouter {
+        type Context = Context<Self>;
+    }
+
+    impl Handler<CloseOlder> for NoRouter {
+        type Result = ();
+
+        fn handle(&mut self, _: CloseOlder, _: &mut Context<Self>) {}
+    }
+
+    fn fleet() -> Fleet {
+        let config = PresenceConfig {
+            enabled: true,
+            pod_name: "pod-a".into(),
+            ttl: Duration::from_secs(15),
+            retention: Duration::from_secs(3600),
+            debounce: Duration::from_secs(2),
+        };
+        let store = Arc::new(MemoryFleet::new(FleetSettings {
+            ttl: config.ttl,
+            retention: config.retention,
+        }));
+        let metrics = Arc::new(Metrics::new(prometheus::Registry::new(), "memory"));
+        let router = NoRouter.start().recipient();
+        Fleet::new(store, router, metrics, config, 8, "instance-a".into())
+    }
+
+    fn open(fleet: &mut Fleet, device: &str, connection_id: u64) -> Progress {
+        let progress = Progress::default();
+        fleet.local_change(SessionChange::Opened {
+            device: DeviceId::parse(device).unwrap(),
+            connection_id,
+            opened_ms: unix_ms(),
+            peer: Peer::default(),
+            progress: progress.clone(),
+        });
+        progress
+    }
+
+    /// The `Sent` writes of one round of visits, as (device, connection, last sent id), and the
+    /// largest number of writes one visit queued.
+    fn one_round(fleet: &mut Fleet, now: Instant) -> (Vec<(String, u64, String)>, usize) {
+        let mut sent = Vec::new();
+        let mut largest = 0;
+        for _ in 0..fleet.sampling.slices() {
+            fleet.sample_slice(now);
+            largest = largest.max(fleet.pending_writes.len());
+            for write in fleet.pending_writes.drain(..) {
+                if let PresenceWrite::Sent { session, last_sent } = write {
+                    sent.push((
+                        session.device.to_string(),
+                        session.session,
+                        last_sent.to_string(),
+                    ));
+                }
+            }
+        }
+        sent.sort();
+        (sent, largest)
+    }
+
+    #[actix::test]
+    async fn progress_is_sampled_a_small_slice_at_a_time() {
+        let mut fleet = fleet();
+        let slices = fleet.sampling.slices();
+        assert_eq!(slices, 200, "one slice per 25 ms of {PROGRESS_EVERY:?}");
+        let streams: Vec<Progress> = (0..1000)
+            .map(|n| open(&mut fleet, &format!("dev-{n:04}"), n))
+            .collect();
+        for (n, progress) in streams.iter().enumerate() {
+            progress.sent(&crate::sse::frame::event(&format!("e1.0.{n}-0"), "m", "x"));
+        }
+        fleet.pending_writes.clear();
+
+        let now = Instant::now();
+        let (sent, largest) = one_round(&mut fleet, now);
+        assert_eq!(sent.len(), 1000);
+        assert_eq!(sent[7], ("dev-0007".into(), 7, "e1.0.7-0".into()));
+        assert_eq!(
+            largest,
+            1000 / slices,
+            "no visit queues more than its slice"
+        );
+
+        // Nothing new was sent: nothing is written again.
+        assert_eq!(one_round(&mut fleet, now).0, vec![]);
+
+        // A stream that ended is not sampled; a new stream of a device is, under its own session.
+        streams[3].sent(&crate::sse::frame::event("e1.0.1003-0", "m", "x"));
+        fleet.local_change(SessionChange::Closed {
+            device: DeviceId::parse("dev-0003").unwrap(),
+            connection_id: 3,
+            at_ms: unix_ms(),
+            last_sent: None,
+        });
+        let newer = open(&mut fleet, "dev-0003", 5000);
+        newer.sent(&crate::sse::frame::event("e1.0.2003-0", "m", "x"));
+        fleet.pending_writes.clear();
+        assert_eq!(
+            one_round(&mut fleet, now).0,
+            vec![("dev-0003".into(), 5000, "e1.0.2003-0".into())]
+        );
+        let members: usize = (0..slices)
+            .map(|index| {
+                let mut count = 0;
+                fleet.sampling.visit(index, |_| {
+                    count += 1;
+                    true
+                });
+                count
+            })
+            .sum();
+        assert_eq!(members, 1000, "the ended stream's member left at its visit");
+    }
+
+    #[actix::test]
+    async fn open_sessions_are_written_again_before_retention_forgets_them() {
+        let mut fleet = fleet();
+        for n in 0..400 {
+            open(&mut fleet, &format!("dev-{n:04}"), n);
+        }
+        fleet.pending_writes.clear();
+        let later = Instant::now() + fleet.refresh_every;
+        let mut refreshed = HashSet::new();
+        let mut largest = 0;
+        for _ in 0..fleet.sampling.slices() {
+            fleet.sample_slice(later);
+            largest = largest.max(fleet.pending_writes.len());
+            for write in fleet.pending_writes.drain(..) {
+                let PresenceWrite::Online(session) = write else {
+                    panic!("only refreshes are due");
+                };
+                assert!(refreshed.insert(session.device));
+            }
+        }
+        assert_eq!(refreshed.len(), 400);
+        assert_eq!(largest, 2);
+        // Refreshed once per `refresh_every`, not at every visit.
+        fleet.sample_slice(later + PROGRESS_EVERY);
+        assert!(fleet.pending_writes.is_empty());
     }
 }

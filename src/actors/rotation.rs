@@ -1,14 +1,16 @@
-//! The Router's rotation of its connections for periodic work (heartbeats, the stall check).
+//! A rotation of connections for periodic work: the Router's heartbeats and stall check, the
+//! Fleet's progress samples and session refreshes.
 //!
-//! Every connection joins one of many small slices when it registers. The Router's timer visits
+//! Every connection joins one of many small slices when it registers. The owner's timer visits
 //! one slice per tick, so a pod pings a few dozen connections every 25 ms instead of a large
 //! share of them at once. A burst of pings is a burst of writes on the workers, and every event
 //! queued behind it waits: with one tenth of 10,000 connections pinged every 2 s, the bursts were
 //! visible in the unicast p99 (docs/BENCHMARKS.md).
 //!
 //! Members are not removed when their connection goes: a visit drops the ones that are gone (the
-//! heartbeat's visit finds their route gone or taken over, the stall check their body dropped),
-//! so a member outlives its connection by one heartbeat at most and unregistering costs nothing.
+//! heartbeat's visit finds their route gone or taken over, the stall check their body dropped,
+//! the Fleet's its stream gone), so a member outlives its connection by one period at most and
+//! unregistering costs nothing.
 
 use std::time::Duration;
 

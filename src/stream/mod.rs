@@ -78,6 +78,12 @@ impl Progress {
     pub fn wrote(&self) {
         self.0.wrote();
     }
+
+    /// Records a frame handed to the socket, as the body does (a Fleet's test stand-in).
+    #[cfg(test)]
+    pub fn sent(&self, frame: &[u8]) {
+        self.0.sent(frame);
+    }
 }
 
 /// The HTTP edge's handle: opens streams on the worker thread that built it.

@@ -604,6 +604,8 @@ impl Drop for Subscription {
 #[derive(Default)]
 struct SlotCall {
     keys: Vec<String>,
+    /// Key → its 1-based index in `keys`: a batch may name 10,000 keys, too many to search.
+    indices: HashMap<String, usize>,
     args: Vec<Value>,
     changes: usize,
 }
@@ -611,13 +613,12 @@ struct SlotCall {
 impl SlotCall {
     /// 1-based index of `key` in KEYS, added if new.
     fn key(&mut self, key: String) -> usize {
-        match self.keys.iter().position(|known| *known == key) {
-            Some(index) => index + 1,
-            None => {
-                self.keys.push(key);
-                self.keys.len()
-            }
+        if let Some(&index) = self.indices.get(&key) {
+            return index;
         }
+        self.keys.push(key.clone());
+        self.indices.insert(key, self.keys.len());
+        self.keys.len()
     }
 }
 
