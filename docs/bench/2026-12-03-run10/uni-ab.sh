@@ -7,7 +7,7 @@
 # One JSON line per run: p50/p99, server CPU per event, lossless.
 set -u; ulimit -n "$(ulimit -Hn)"
 TOOL=${TOOL:-/tmp/exp/posthorn-new}; PORT=18080; RPORT=18082; OUT=/tmp/exp/uni; mkdir -p $OUT
-ROOT=/work/main
+ROOT=$(git -C "$(dirname "$0")" rev-parse --show-toplevel)
 for r in $(seq ${ROUNDS:-5}); do
   for spec in "$@"; do
     label=${spec%%=*}; bin=${spec#*=}; extra=(); per=${PER_REQUEST:-}
