@@ -173,11 +173,12 @@ impl Fleet {
         shards: u32,
         instance: String,
     ) -> Self {
+        let refresh_every = (config.retention / 4).min(REFRESH_AT_MOST);
         Self {
             store,
             router,
             metrics,
-            refresh_every: (config.retention / 4).min(REFRESH_AT_MOST),
+            refresh_every,
             pod: config.effective_pod_name(),
             config,
             shards,
@@ -186,7 +187,8 @@ impl Fleet {
             pending_messages: Vec::new(),
             flushing: false,
             local: HashMap::new(),
-            sampling: Rotation::new(PROGRESS_EVERY),
+            // A retention under 20 s needs its refreshes sooner than every 5 s.
+            sampling: Rotation::new(PROGRESS_EVERY.min(refresh_every)),
             next_slice: 0,
             view: HashMap::new(),
             recount_online: true,
@@ -823,11 +825,15 @@ mod tests {
     }
 
     fn fleet() -> Fleet {
+        fleet_keeping(Duration::from_secs(3600))
+    }
+
+    fn fleet_keeping(retention: Duration) -> Fleet {
         let config = PresenceConfig {
             enabled: true,
             pod_name: "pod-a".into(),
-            ttl: Duration::from_secs(15),
-            retention: Duration::from_secs(3600),
+            ttl: Duration::from_secs(1),
+            retention,
             debounce: Duration::from_secs(2),
         };
         let store = Arc::new(MemoryFleet::new(FleetSettings {
@@ -956,5 +962,32 @@ mod tests {
         // Refreshed once per `refresh_every`, not at every visit.
         fleet.sample_slice(later + PROGRESS_EVERY);
         assert!(fleet.pending_writes.is_empty());
+    }
+
+    #[actix::test]
+    async fn a_short_retention_is_refreshed_in_time() {
+        // The shortest retention the configuration takes: its `ttl`, here 1 s.
+        let retention = Duration::from_secs(1);
+        let mut fleet = fleet_keeping(retention);
+        open(&mut fleet, "dev-short", 1);
+        fleet.pending_writes.clear();
+        let start = Instant::now();
+        let tick = fleet.sampling.tick_interval();
+        let mut last_written = start;
+        let mut longest_gap = Duration::ZERO;
+        for n in 1..=400 {
+            let now = start + tick * n;
+            fleet.sample_slice(now);
+            if !fleet.pending_writes.is_empty() {
+                longest_gap = longest_gap.max(now - last_written);
+                last_written = now;
+                fleet.pending_writes.clear();
+            }
+        }
+        longest_gap = longest_gap.max(start + tick * 400 - last_written);
+        assert!(
+            longest_gap <= retention / 2,
+            "the record went {longest_gap:?} without a write, retention {retention:?}"
+        );
     }
 }
