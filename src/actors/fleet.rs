@@ -1,7 +1,8 @@
 //! `Fleet`: this pod's part of the fleet API (docs/fleet.md).
 //!
 //! Owns: the fleet store; the presence writes and announcements waiting for the next flush; the
-//! streams of this pod (device → connection, its progress); this pod's view of the whole fleet
+//! streams of this pod (device → connection, its progress) and the rotation that visits them
+//! for progress samples and refreshes of their records; this pod's view of the whole fleet
 //! (which device is online on which instance, and what the fleet event stream last said of it);
 //! the instances heard from; connects other pods announced within [`RACE_WINDOW`]; the
 //! subscribers of `GET /v1/fleet/events`.
@@ -59,8 +60,9 @@ const EVALUATE_EVERY: Duration = Duration::from_millis(250);
 /// script over 10,000 keys, which the tails' reads waited behind) and a core for milliseconds,
 /// and the p99 of events published meanwhile grew several-fold (docs/BENCHMARKS.md, tenth run).
 const PROGRESS_EVERY: Duration = Duration::from_secs(5);
-/// Longest time between two writes of an open session's record, so that `presence.retention`
-/// never forgets a device that stays connected without being sent anything.
+/// Longest time between two refreshes of an open session's record (`presence.retention / 4`
+/// when that is shorter), so that retention never forgets a device that stays connected without
+/// being sent anything.
 const REFRESH_AT_MOST: Duration = Duration::from_secs(3600);
 /// An instance silent this many `presence.ttl`s is forgotten with the devices it held.
 const FORGET_AFTER_TTLS: u32 = 20;
@@ -107,7 +109,9 @@ struct Local {
     progress: Progress,
     /// The progress counter when last written.
     written: u64,
-    /// When its session was last written whole (see [`REFRESH_AT_MOST`]).
+    /// When its progress was last sampled.
+    sampled: Instant,
+    /// When its session's record was last queued for writing (see [`REFRESH_AT_MOST`]).
     refreshed: Instant,
 }
 
@@ -243,6 +247,7 @@ impl Fleet {
                         connection_id,
                         progress,
                         written: 0,
+                        sampled: Instant::now(),
                         refreshed: Instant::now(),
                     },
                 );
@@ -468,14 +473,17 @@ impl Fleet {
             .retain(|subscriber| subscriber.try_send(frame.clone()).is_ok());
     }
 
-    /// Visits the next slice of local streams: queues the last sent id of those that wrote
-    /// since their last sample, and the session of those not written for `refresh_every`.
+    /// Visits the next slice of local streams: queues the session of those not written for
+    /// `refresh_every`, and the last sent id of those that wrote since their last sample (at
+    /// most once per [`PROGRESS_EVERY`], also when a short retention turns the rotation faster).
     fn sample_slice(&mut self, now: Instant) {
         let index = self.next_slice;
         self.next_slice = (index + 1) % self.sampling.slices();
+        let period = self.sampling.period();
         let Self {
             sampling,
             local,
+            view,
             pending_writes,
             instance,
             refresh_every,
@@ -488,6 +496,21 @@ impl Fleet {
             else {
                 return false;
             };
+            // A newer session of the device on another pod (this stream is being closed by the
+            // takeover) must not lose its record to a refresh of this one.
+            let superseded = view
+                .get(device)
+                .is_some_and(|seen| !seen.session.is(&local.session));
+            // The record before the sample: a record the store lost is written again whole,
+            // then the sample lands on it.
+            if !superseded && now.saturating_duration_since(local.refreshed) >= *refresh_every {
+                local.refreshed = now;
+                pending_writes.push(PresenceWrite::Online(local.session.clone()));
+            }
+            if now.saturating_duration_since(local.sampled) + period < PROGRESS_EVERY {
+                return true;
+            }
+            local.sampled = now;
             let (last_sent, changes) = local.progress.last_sent();
             if changes != local.written {
                 local.written = changes;
@@ -499,10 +522,6 @@ impl Fleet {
                     };
                     pending_writes.push(PresenceWrite::Sent { session, last_sent });
                 }
-            }
-            if now.saturating_duration_since(local.refreshed) >= *refresh_every {
-                local.refreshed = now;
-                pending_writes.push(PresenceWrite::Online(local.session.clone()));
             }
             true
         });
@@ -906,7 +925,7 @@ mod tests {
         assert_eq!(sent[7], ("dev-0007".into(), 7, "e1.0.7-0".into()));
         assert_eq!(
             largest,
-            1000 / slices,
+            1000_usize.div_ceil(slices),
             "no visit queues more than its slice"
         );
 
@@ -947,18 +966,38 @@ mod tests {
         for n in 0..400 {
             open(&mut fleet, &format!("dev-{n:04}"), n);
         }
+        // A stream of this pod replaced by a newer one of the same device on this pod, and one
+        // replaced by a newer one on another pod (its close by the takeover is on its way).
+        open(&mut fleet, "dev-0001", 1001);
+        let elsewhere = Session {
+            device: DeviceId::parse("dev-0002").unwrap(),
+            pod: "pod-b".into(),
+            instance: "instance-b".into(),
+            session: 7,
+            connected_ms: unix_ms() + 10_000,
+            remote: String::new(),
+            user_agent: String::new(),
+        };
+        fleet.heard(FleetMessage::Connected(elsewhere));
         fleet.pending_writes.clear();
+
         let later = Instant::now() + fleet.refresh_every;
         let (writes, largest) = one_round(&mut fleet, later);
-        let mut refreshed = HashSet::new();
+        let mut refreshed = HashMap::new();
         for write in writes {
             let PresenceWrite::Online(session) = write else {
                 panic!("only refreshes are due");
             };
-            assert!(refreshed.insert(session.device));
+            assert_eq!(session.instance, "instance-a");
+            assert!(refreshed
+                .insert(session.device.to_string(), session.session)
+                .is_none());
         }
-        assert_eq!(refreshed.len(), 400);
-        assert_eq!(largest, 2);
+        assert_eq!(refreshed.len(), 399, "all but the one superseded elsewhere");
+        assert_eq!(refreshed["dev-0001"], 1001, "the newer stream's session");
+        assert_eq!(refreshed["dev-0399"], 399);
+        assert!(!refreshed.contains_key("dev-0002"));
+        assert!(largest <= 3);
         // Refreshed once per `refresh_every`, not at every visit.
         fleet.sample_slice(later + PROGRESS_EVERY);
         assert!(fleet.pending_writes.is_empty());
@@ -969,25 +1008,40 @@ mod tests {
         // The shortest retention the configuration takes: its `ttl`, here 1 s.
         let retention = Duration::from_secs(1);
         let mut fleet = fleet_keeping(retention);
-        open(&mut fleet, "dev-short", 1);
+        let progress = open(&mut fleet, "dev-short", 1);
         fleet.pending_writes.clear();
         let start = Instant::now();
         let tick = fleet.sampling.tick_interval();
         let mut last_written = start;
         let mut longest_gap = Duration::ZERO;
+        let mut samples = 0;
         for n in 1..=400 {
+            // Something sent before every visit: samples are due whenever the visit allows.
+            progress.sent(&crate::sse::frame::event(&format!("e1.0.{n}-0"), "m", "x"));
             let now = start + tick * n;
             fleet.sample_slice(now);
-            if !fleet.pending_writes.is_empty() {
-                longest_gap = longest_gap.max(now - last_written);
-                last_written = now;
-                fleet.pending_writes.clear();
+            for write in fleet.pending_writes.drain(..) {
+                match write {
+                    PresenceWrite::Online(_) => {
+                        longest_gap = longest_gap.max(now - last_written);
+                        last_written = now;
+                    }
+                    PresenceWrite::Sent { .. } => samples += 1,
+                    PresenceWrite::Offline { .. } => panic!("the stream is open"),
+                }
             }
         }
-        longest_gap = longest_gap.max(start + tick * 400 - last_written);
+        let end = start + tick * 400;
+        longest_gap = longest_gap.max(end - last_written);
         assert!(
             longest_gap <= retention / 2,
             "the record went {longest_gap:?} without a write, retention {retention:?}"
+        );
+        let most = (end - start).as_millis() / PROGRESS_EVERY.as_millis();
+        assert!(
+            (1..=most).contains(&(samples as u128)),
+            "{samples} samples in {:?}: progress is still sampled once per {PROGRESS_EVERY:?}",
+            end - start
         );
     }
 }

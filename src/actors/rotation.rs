@@ -19,7 +19,7 @@ pub const TICK: Duration = Duration::from_millis(25);
 /// More slices than this would only make ticks emptier (a 20 s heartbeat needs 800).
 const MAX_SLICES: u32 = 4096;
 
-/// The members' slices, visited in turn: `M` is what the Router keeps of a connection.
+/// The members' slices, visited in turn: `M` is what the owner keeps of a connection.
 #[derive(Debug)]
 pub struct Rotation<M> {
     slices: Vec<Vec<M>>,

@@ -830,3 +830,19 @@ impl FleetStore for RedisFleet {
         self.subscribe().boxed()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_slot_call_names_each_key_once_by_its_position() {
+        let mut call = SlotCall::default();
+        let indices: Vec<usize> = ["a", "b", "a", "c", "b"]
+            .into_iter()
+            .map(|key| call.key(key.to_owned()))
+            .collect();
+        assert_eq!(indices, vec![1, 2, 1, 3, 2]);
+        assert_eq!(call.keys, vec!["a", "b", "c"]);
+    }
+}
