@@ -251,16 +251,7 @@ async fn posthorn_pipeline<'a>(
         requests.extend_from_slice(request.as_bytes());
         count += 1;
     }
-    if count == 0 {
-        return Ok(());
-    }
-    connection.stream.write_all(&requests).await?;
-    for _ in 0..count {
-        let (status, answer) =
-            wire::read_response(&mut connection.stream, &mut connection.buf).await?;
-        posthorn_answer(status, &answer)?;
-    }
-    Ok(())
+    pipeline(connection, &requests, count, posthorn_answer).await
 }
 
 async fn nchan_pipeline<'a>(
@@ -283,20 +274,36 @@ async fn nchan_pipeline<'a>(
         requests.extend_from_slice(event.data.as_bytes());
         count += 1;
     }
+    pipeline(connection, &requests, count, nchan_answer).await
+}
+
+fn nchan_answer(status: u16, answer: &[u8]) -> io::Result<()> {
+    // 201: delivered to subscribers; 202: stored, nobody subscribed.
+    if status != 201 && status != 202 {
+        return Err(io::Error::other(format!(
+            "nchan publish answered {status}: {}",
+            String::from_utf8_lossy(answer)
+        )));
+    }
+    Ok(())
+}
+
+/// Writes `count` requests (back to back in `requests`) at once, then reads their answers in
+/// order, each judged by `check`.
+async fn pipeline(
+    connection: &mut Connection,
+    requests: &[u8],
+    count: usize,
+    check: fn(u16, &[u8]) -> io::Result<()>,
+) -> io::Result<()> {
     if count == 0 {
         return Ok(());
     }
-    connection.stream.write_all(&requests).await?;
+    connection.stream.write_all(requests).await?;
     for _ in 0..count {
         let (status, answer) =
             wire::read_response(&mut connection.stream, &mut connection.buf).await?;
-        // 201: delivered to subscribers; 202: stored, nobody subscribed.
-        if status != 201 && status != 202 {
-            return Err(io::Error::other(format!(
-                "nchan publish answered {status}: {}",
-                String::from_utf8_lossy(&answer)
-            )));
-        }
+        check(status, &answer)?;
     }
     Ok(())
 }
