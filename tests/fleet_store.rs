@@ -1,9 +1,11 @@
 //! The fleet store suite: every scenario of the `FleetStore` contract (the module doc of
 //! `src/backend/fleet/mod.rs`, docs/fleet.md) is written once, as `async fn(&mut Env)`, and runs
 //! as one test per store: `<scenario>::memory`, `<scenario>::redis_standalone`,
-//! `<scenario>::redis_cluster` and `<scenario>::nats`, against real servers
-//! (tests/support). Stores are built as the hub builds them: from a connected backend
-//! (`RedisBackend::fleet`, `NatsBackend::fleet`); two stores on one server are two pods.
+//! `<scenario>::redis_cluster`, `<scenario>::nats` and `<scenario>::nats_cluster`, against real
+//! servers (tests/support). Stores are built as the hub builds them: from a connected backend
+//! (`RedisBackend::fleet`, `NatsBackend::fleet`); two stores on one server are two pods. On the
+//! NATS cluster (three nodes, buckets replicated to all three) each new pod connects to the next
+//! node, so pods read through different nodes what others wrote.
 //!
 //! What a store cannot do (the memory store has no server to restart and no round trips to
 //! count) is said on stderr by the scenario: `cargo test --test fleet_store -- --nocapture`.
@@ -26,7 +28,7 @@ use posthorn::{
     config::{Config, RedactedUrl},
     model::{unix_ms, Cursor, DeviceId, Epoch, Position},
 };
-use support::{nats::NatsServer, RedisCluster, RedisServer};
+use support::{nats::NatsServer, nats_cluster::NatsCluster, RedisCluster, RedisServer};
 
 /// Upper bound for anything a store should do promptly.
 const WAIT: Duration = Duration::from_secs(20);
@@ -43,6 +45,7 @@ pub enum Kind {
     RedisStandalone,
     RedisCluster,
     Nats,
+    NatsCluster,
 }
 
 enum Servers {
@@ -50,6 +53,8 @@ enum Servers {
     Redis(RedisServer),
     Cluster(RedisCluster),
     Nats(NatsServer),
+    /// The cluster and the pods built on it so far (the next pod connects to node `pods % 3`).
+    NatsCluster(NatsCluster, usize),
 }
 
 /// One store kind for one scenario: its servers and the pods (stores) built on them.
@@ -84,6 +89,7 @@ impl Env {
             }
             Kind::RedisCluster => Servers::Cluster(RedisCluster::start_persistent(3).await),
             Kind::Nats => Servers::Nats(NatsServer::start().await?),
+            Kind::NatsCluster => Servers::NatsCluster(NatsCluster::start(3).await?, 0),
         };
         Some(Env {
             kind,
@@ -140,8 +146,17 @@ impl Env {
                     _backend: Some(Box::new(backend)),
                 }
             }
-            Servers::Nats(nats) => {
-                config.nats.url = vec![RedactedUrl::new(nats.url())];
+            Servers::Nats(_) | Servers::NatsCluster(..) => {
+                match &mut self.servers {
+                    Servers::Nats(nats) => config.nats.url = vec![RedactedUrl::new(nats.url())],
+                    Servers::NatsCluster(cluster, pods) => {
+                        config.nats.url =
+                            vec![RedactedUrl::new(cluster.url(*pods % cluster.node_count()))];
+                        config.nats.replicas = cluster.node_count();
+                        *pods += 1;
+                    }
+                    _ => unreachable!(),
+                }
                 let access = NatsAccess::load(&config.nats).expect("nats access");
                 let backend = NatsBackend::connect(
                     NatsSettings {
@@ -175,6 +190,12 @@ impl Env {
                 cluster.wait_ok().await;
             }
             Servers::Nats(nats) => nats.restart().await,
+            // One node at a time, as a rolling upgrade does: the buckets keep a quorum.
+            Servers::NatsCluster(cluster, _) => {
+                for i in 0..cluster.node_count() {
+                    cluster.restart(i).await;
+                }
+            }
         }
         true
     }
@@ -724,6 +745,117 @@ pub async fn an_ack_creates_the_record(env: &mut Env) {
     );
 }
 
+/// What one pod wrote, every pod reads at once, wherever it is connected: a beat's timestamp,
+/// a session going online, progress and an ack, each read back right after its write, 30 times.
+/// A store that reads from a replica which has not applied the write yet fails here.
+pub async fn every_pod_reads_a_write_at_once(env: &mut Env) {
+    let pods = [
+        env.pod(SETTINGS).await,
+        env.pod(SETTINGS).await,
+        env.pod(SETTINGS).await,
+    ];
+    for round in 0..30u64 {
+        let writer = &pods[round as usize % pods.len()];
+        writer.beat("a", "inst-a", false).await.expect("beat");
+        let s = session(&format!("pos-rw-{round}"), "inst-a", round + 1);
+        writer
+            .write(vec![PresenceWrite::Online(s.clone())])
+            .await
+            .expect("write");
+        for reader in &pods {
+            let record = reader.device(&s.device).await.expect("read");
+            assert!(
+                record
+                    .as_ref()
+                    .is_some_and(|r| r.online && r.session == round + 1),
+                "round {round}: the session just written reads {record:?}"
+            );
+        }
+        let sent = cursor("e1", 0, 100 + round, 0);
+        writer
+            .write(vec![PresenceWrite::Sent {
+                session: reference(&s),
+                last_sent: sent.clone(),
+            }])
+            .await
+            .expect("write");
+        let ack = cursor("e1", 0, 50 + round, 0);
+        assert_eq!(
+            writer.ack(&s.device, &ack, unix_ms()).await.expect("ack"),
+            AckOutcome::Moved
+        );
+        for reader in &pods {
+            let record = reader
+                .device(&s.device)
+                .await
+                .expect("read")
+                .expect("known");
+            assert_eq!(
+                (record.last_sent.as_ref(), record.acked.as_ref()),
+                (Some(&sent), Some(&ack)),
+                "round {round}"
+            );
+        }
+    }
+}
+
+/// A pod of an earlier version made its buckets with direct gets (reads answered by any
+/// replica); a pod of this version updates them to read from the leader, and reads its writes.
+pub async fn buckets_made_with_direct_gets_read_from_the_leader(env: &mut Env) {
+    let jetstream = match &env.servers {
+        Servers::Nats(nats) => nats.jetstream().await,
+        Servers::NatsCluster(cluster, _) => cluster.jetstream().await,
+        _ => return env.cannot("a NATS bucket's configuration"),
+    };
+    let replicas = match &env.servers {
+        Servers::NatsCluster(cluster, _) => cluster.node_count(),
+        _ => 1,
+    };
+    let names = ["devices", "pods", "broadcasts"].map(|bucket| format!("KV_POSTHORN_{bucket}"));
+    for name in &names {
+        jetstream
+            .create_stream(async_nats::jetstream::stream::Config {
+                name: name.clone(),
+                subjects: vec![format!("$KV.{}.>", name.trim_start_matches("KV_"))],
+                max_messages_per_subject: 1,
+                max_age: SETTINGS.retention,
+                num_replicas: replicas,
+                allow_rollup: true,
+                deny_delete: true,
+                allow_direct: true,
+                discard: async_nats::jetstream::stream::DiscardPolicy::New,
+                ..Default::default()
+            })
+            .await
+            .expect("the earlier version's bucket");
+    }
+    let pods = [env.pod(SETTINGS).await, env.pod(SETTINGS).await];
+    for name in &names {
+        let info = jetstream
+            .get_stream(name)
+            .await
+            .expect("bucket")
+            .info()
+            .await
+            .expect("info")
+            .clone();
+        assert!(!info.config.allow_direct, "{name} still allows direct gets");
+    }
+    for round in 0..20u64 {
+        let s = session(&format!("pos-up-{round}"), "inst-a", round + 1);
+        pods[0].beat("a", "inst-a", false).await.expect("beat");
+        pods[0]
+            .write(vec![PresenceWrite::Online(s.clone())])
+            .await
+            .expect("write");
+        let record = pods[1].device(&s.device).await.expect("read");
+        assert!(
+            record.as_ref().is_some_and(|r| r.session == round + 1),
+            "round {round}: {record:?}"
+        );
+    }
+}
+
 /// The copies of a broadcast are found under the id the hub answered, `copies[0]`.
 pub async fn broadcast_copies_round_trip(env: &mut Env) {
     let pod = env.pod(SETTINGS).await;
@@ -926,7 +1058,11 @@ pub async fn a_batch_of_500_changes_is_one_round_trip(env: &mut Env) {
     };
     let after = (pod.round_trips)().expect("counted");
     // NATS has no multi-key write: one wave of reads and one of compare-and-set writes.
-    let allowed = if env.kind == Kind::Nats { 2 } else { 1 };
+    let allowed = if matches!(env.kind, Kind::Nats | Kind::NatsCluster) {
+        2
+    } else {
+        1
+    };
     assert!(
         after - before <= allowed,
         "{} exchanges for one batch",
@@ -960,7 +1096,7 @@ pub async fn a_batch_of_500_changes_is_one_round_trip(env: &mut Env) {
 }
 
 /// One test per store for each scenario: `mod scenario { fn memory, fn redis_standalone, fn
-/// redis_cluster, fn nats }`.
+/// redis_cluster, fn nats, fn nats_cluster }`.
 macro_rules! fleet_store {
     ($($scenario:ident),* $(,)?) => {$(
         mod $scenario {
@@ -992,6 +1128,11 @@ macro_rules! fleet_store {
             async fn nats() {
                 run(Kind::Nats).await
             }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn nats_cluster() {
+                run(Kind::NatsCluster).await
+            }
         }
     )*};
 }
@@ -1009,6 +1150,8 @@ fleet_store! {
     acks_move_forward_only,
     concurrent_acks_end_at_the_max,
     an_ack_creates_the_record,
+    every_pod_reads_a_write_at_once,
+    buckets_made_with_direct_gets_read_from_the_leader,
     broadcast_copies_round_trip,
     every_pod_hears_every_announcement_in_order,
     a_subscription_survives_a_restart,

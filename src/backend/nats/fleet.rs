@@ -5,7 +5,8 @@
 //! - **Buckets.** `{stream}_devices` (one JSON record per device, max age = retention),
 //!   `{stream}_pods` (one entry per instance: its last beat, max age = retention) and
 //!   `{stream}_broadcasts` (the copies of a broadcast, max age = retention). Created or updated
-//!   at start-up.
+//!   at start-up. Every read asks the bucket's stream leader (no direct get from a replica), so
+//!   what any pod wrote is read at once by every pod.
 //! - **Keys.** KV keys take neither `:` nor a `.` at either end, which device ids may hold: a
 //!   device's key escapes `.` as `=2E` and `:` as `=3A` (`=` is no device id character).
 //! - **Clock.** nats-server 2.9 has no per-key TTL, so liveness compares an instance's last beat
@@ -121,7 +122,10 @@ impl NatsFleet {
             num_replicas: inner.settings.nats.replicas,
             allow_rollup: true,
             deny_delete: true,
-            allow_direct: true,
+            // Reads go to the bucket's leader: a direct get may be answered by a replica that
+            // has not applied the last write, and a pod must read what it just wrote (the clock
+            // probe, compare-and-set, the fleet API). Updating a bucket turns it off as well.
+            allow_direct: false,
             discard: jetstream::stream::DiscardPolicy::New,
             ..Default::default()
         };
