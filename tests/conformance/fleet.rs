@@ -704,3 +704,103 @@ pub async fn a_double_connect_leaves_one_stream(env: &mut Env) {
         .await;
     }
 }
+
+/// The store goes away while devices come and go: the fleet API answers 503
+/// `backend_unavailable` (never a stale or wrong record), and once the store is back, what
+/// happened meanwhile is recorded: the device that left is offline with the last id it was sent,
+/// the one that connected during the outage is online. Two things bring the writes back: the
+/// Fleet keeps a failed batch for its next flush, and the Redis and NATS clients send what they
+/// buffered while disconnected once they reconnect; this checks the outcome, not which of them.
+pub async fn presence_written_during_an_outage_lands_after_it(env: &mut Env) {
+    if !env.part("presence across an outage", &[Fault::Outage]) {
+        return;
+    }
+    let hub = pod(env, "pod-a", "30s", DEBOUNCE).await;
+    let mut leaving = stream_of(&hub, "pos-out-1", &[]).await;
+    presence_until(&hub, "pos-out-1", WAIT, "online", |r| r["online"] == true).await;
+    let last = publish_to(&hub, "pos-out-1", "before the outage").await;
+    assert_eq!(
+        leaving.expect_event(WAIT).await.id.as_deref(),
+        Some(last.as_str())
+    );
+
+    env.outage_begin().await;
+    crate::env::wait_for_readiness(&hub, 503, WAIT).await;
+    let (status, body) = get_json(&hub, "/v1/devices/pos-out-1").await;
+    assert_eq!(
+        (status, body["error"].as_str()),
+        (503, Some("backend_unavailable")),
+        "{body}"
+    );
+    drop(leaving);
+    let arriving = SseClient::connect(hub.addr(), &stream_path("pos-out-2"), &[]).await;
+    let connected_during_outage = arriving.status() == 200;
+    // Longer than a flush may take (5 s): the pod's writes of both changes fail, and must be
+    // kept for a later flush (a shorter outage only delays the flush in the client).
+    tokio::time::sleep(Duration::from_secs(7)).await;
+    env.outage_end().await;
+    crate::env::wait_for_readiness(&hub, 200, WAIT).await;
+
+    let record = presence_until(&hub, "pos-out-1", WAIT, "offline", |r| r["online"] == false).await;
+    assert_eq!(record["last_sent_id"], last.as_str(), "{record}");
+    if connected_during_outage {
+        presence_until(&hub, "pos-out-2", WAIT, "online", |r| r["online"] == true).await;
+    }
+    env.ran(if connected_during_outage {
+        "the changes of both devices land after the outage"
+    } else {
+        "the change of the device that left lands after the outage"
+    });
+}
+
+/// A pod drained on deploy leaves no device online behind: its devices show offline on the other
+/// pods at once (well within `presence.ttl`, 30 s here), with the last id each was sent, and
+/// their fleet event streams report it. (The drain closes the stream, whose end is written like
+/// any other; the farewell's flush matters for the ends of the last moment, which this does not
+/// single out.)
+pub async fn a_drained_pods_devices_go_offline_at_once(env: &mut Env) {
+    if !env.part("a pod drained under its devices", &[Fault::SharedStore]) {
+        return;
+    }
+    let mut a = env
+        .hub()
+        .env("POSTHORN_PRESENCE__POD_NAME", "pod-a")
+        .env("POSTHORN_PRESENCE__TTL", "30s")
+        .env("POSTHORN_PRESENCE__DEBOUNCE", "100ms")
+        .env("POSTHORN_DRAIN__READINESS_DELAY", "0s")
+        .env("POSTHORN_DRAIN__GRACE", "5s")
+        .env("POSTHORN_DRAIN__RETRY_MIN", "1s")
+        .env("POSTHORN_DRAIN__RETRY_MAX", "2s")
+        .start()
+        .await;
+    let b = pod(env, "pod-b", "30s", Duration::from_millis(100)).await;
+    let mut events = fleet_events(&b).await;
+    let mut stream = stream_of(&a, "pos-drain", &[]).await;
+    presence_until(&b, "pos-drain", WAIT, "online", |r| r["online"] == true).await;
+    assert_eq!(
+        next_fleet_event(&mut events, "pos-drain", WAIT).await.event,
+        "device.online"
+    );
+    let last = publish_to(&a, "pos-drain", "before the drain").await;
+    assert_eq!(
+        stream.expect_event(WAIT).await.id.as_deref(),
+        Some(last.as_str())
+    );
+
+    let drained = tokio::time::Instant::now();
+    a.signal("TERM");
+    let status = a.wait_exit(WAIT).await.expect("the drained pod exits");
+    assert!(status.success(), "{status}");
+    let record = presence_until(&b, "pos-drain", Duration::from_secs(10), "offline", |r| {
+        r["online"] == false
+    })
+    .await;
+    assert!(
+        drained.elapsed() < Duration::from_secs(10),
+        "offline only after {:?}",
+        drained.elapsed()
+    );
+    assert_eq!(record["last_sent_id"], last.as_str(), "{record}");
+    let offline = next_fleet_event(&mut events, "pos-drain", Duration::from_secs(10)).await;
+    assert_eq!(offline.event, "device.offline");
+}

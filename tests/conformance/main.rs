@@ -197,6 +197,8 @@ conformance! {
     fleet::the_unacknowledged_are_listed,
     fleet::a_new_stream_takes_over_across_pods,
     fleet::a_double_connect_leaves_one_stream,
+    fleet::presence_written_during_an_outage_lands_after_it,
+    fleet::a_drained_pods_devices_go_offline_at_once,
     order::live_events_arrive_in_order_as_published,
     order::a_broadcast_reaches_every_shard_once,
     order::a_tail_starts_at_now,
