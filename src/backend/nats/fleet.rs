@@ -5,8 +5,11 @@
 //! - **Buckets.** `{stream}_devices` (one JSON record per device, max age = retention),
 //!   `{stream}_pods` (one entry per instance: its last beat, max age = retention) and
 //!   `{stream}_broadcasts` (the copies of a broadcast, max age = retention). Created or updated
-//!   at start-up. Every read asks the bucket's stream leader (no direct get from a replica), so
-//!   what any pod wrote is read at once by every pod.
+//!   at start-up. A key is read from the bucket's stream leader (`STREAM.MSG.GET`), never by
+//!   direct get, which a replica that has not applied the last write may answer: a pod reads
+//!   back what it or any other pod just wrote (the clock probe, compare-and-set, the API).
+//!   Listings read through an ephemeral consumer, which the server may place on a replica: a
+//!   page can miss what was written a moment before (docs/fleet.md, "Known limits").
 //! - **Keys.** KV keys take neither `:` nor a `.` at either end, which device ids may hold: a
 //!   device's key escapes `.` as `=2E` and `:` as `=3A` (`=` is no device id character).
 //! - **Clock.** nats-server 2.9 has no per-key TTL, so liveness compares an instance's last beat
@@ -27,7 +30,9 @@ use std::{
 use async_nats::jetstream::{
     self,
     consumer::{pull, AckPolicy, DeliverPolicy},
-    kv::{self, Operation, UpdateErrorKind},
+    kv::{self, UpdateErrorKind},
+    message::StreamMessage,
+    stream::{LastRawMessageError, LastRawMessageErrorKind},
 };
 use bytes::Bytes;
 use futures_util::{future::BoxFuture, stream::BoxStream, FutureExt, StreamExt};
@@ -106,6 +111,58 @@ fn bad(what: &str) -> BackendError {
     BackendError::rejected(format!("nats: unexpected {what} in the fleet store"))
 }
 
+/// A bucket's entry as its stream leader answers it (`STREAM.MSG.GET`, whatever the bucket's
+/// `allow_direct`; async-nats' `Store::entry` would use a direct get where it is allowed).
+struct Leader {
+    value: Bytes,
+    revision: u64,
+    /// The server's timestamp of the entry (ms).
+    created_ms: i64,
+    /// A value, not a delete or purge marker.
+    put: bool,
+}
+
+impl Leader {
+    /// The latest entry of `key`, `None` if it has none.
+    async fn last(bucket: &kv::Store, key: &str) -> Result<Option<Leader>, LastRawMessageError> {
+        let subject = format!("{}{key}", bucket.prefix);
+        match bucket
+            .stream
+            .get_last_raw_message_by_subject(&subject)
+            .await
+        {
+            Ok(message) => Ok(Some(Leader::of(message))),
+            Err(error) if error.kind() == LastRawMessageErrorKind::NoMessageFound => Ok(None),
+            Err(error) => Err(error),
+        }
+    }
+
+    /// The entry of `key` at `revision`, `None` if that revision is gone or of another key.
+    async fn at(
+        bucket: &kv::Store,
+        key: &str,
+        revision: u64,
+    ) -> Result<Option<Leader>, LastRawMessageError> {
+        let subject = format!("{}{key}", bucket.prefix);
+        match bucket.stream.get_raw_message(revision).await {
+            Ok(message) if message.subject.as_str() == subject => Ok(Some(Leader::of(message))),
+            Ok(_) => Ok(None),
+            Err(error) if error.kind() == LastRawMessageErrorKind::NoMessageFound => Ok(None),
+            Err(error) => Err(error),
+        }
+    }
+
+    fn of(message: StreamMessage) -> Leader {
+        let marker = |name: &str| message.headers.get(name).is_some();
+        Leader {
+            put: !marker("KV-Operation") && !marker("Nats-Marker-Reason"),
+            revision: message.sequence,
+            created_ms: ms_of(message.time.unix_timestamp_nanos()),
+            value: message.payload,
+        }
+    }
+}
+
 impl NatsFleet {
     pub(super) async fn new(inner: &Inner, settings: FleetSettings) -> BackendResult<Self> {
         let stream = &inner.layout.stream;
@@ -122,10 +179,9 @@ impl NatsFleet {
             num_replicas: inner.settings.nats.replicas,
             allow_rollup: true,
             deny_delete: true,
-            // Reads go to the bucket's leader: a direct get may be answered by a replica that
-            // has not applied the last write, and a pod must read what it just wrote (the clock
-            // probe, compare-and-set, the fleet API). Updating a bucket turns it off as well.
-            allow_direct: false,
+            // Left as earlier versions made it: turning it off would cut off their pods' reads
+            // during a rolling upgrade. This store never reads by direct get (`Leader`).
+            allow_direct: true,
             discard: jetstream::stream::DiscardPolicy::New,
             ..Default::default()
         };
@@ -196,14 +252,12 @@ impl NatsFleet {
             .await
             .map_err(|error| unavailable("beat", error))?;
         self.trip();
-        let entry = self
-            .pods
-            .entry_for_revision(key, revision)
+        let entry = Leader::at(&self.pods, key, revision)
             .await
             .map_err(|error| unavailable("beat", error))?
             .ok_or_else(|| bad("missing beat"))?;
         let after = unix_ms() as i64;
-        let stamped = ms_of(entry.created.unix_timestamp_nanos());
+        let stamped = entry.created_ms;
         self.offset_ms
             .store(stamped - (before + after) / 2, Ordering::Relaxed);
         Ok(stamped)
@@ -211,13 +265,11 @@ impl NatsFleet {
 
     /// The device's stored record and its revision (`None`: none, or deleted).
     async fn read(&self, key: &str) -> BackendResult<(Option<Stored>, Option<u64>)> {
-        let entry = self
-            .devices
-            .entry(key)
+        let entry = Leader::last(&self.devices, key)
             .await
             .map_err(|error| unavailable("device read", error))?;
         Ok(match entry {
-            Some(entry) if entry.operation == Operation::Put => (
+            Some(entry) if entry.put => (
                 serde_json::from_slice(&entry.value).ok(),
                 Some(entry.revision),
             ),
@@ -317,17 +369,13 @@ impl NatsFleet {
         if instance.is_empty() {
             return Ok(None);
         }
-        let entry = self
-            .pods
-            .entry(instance)
+        let entry = Leader::last(&self.pods, instance)
             .await
             .map_err(|error| unavailable("beat read", error))?;
-        Ok(entry
-            .filter(|entry| entry.operation == Operation::Put)
-            .and_then(|entry| {
-                let beat: Beat = serde_json::from_slice(&entry.value).ok()?;
-                Some((ms_of(entry.created.unix_timestamp_nanos()), beat.stopping))
-            }))
+        Ok(entry.filter(|entry| entry.put).and_then(|entry| {
+            let beat: Beat = serde_json::from_slice(&entry.value).ok()?;
+            Some((entry.created_ms, beat.stopping))
+        }))
     }
 
     async fn device(&self, device: &DeviceId) -> BackendResult<Option<DeviceRecord>> {
@@ -540,11 +588,11 @@ impl NatsFleet {
     }
 
     async fn broadcast_copies(&self, id: &Cursor) -> BackendResult<Option<Vec<Cursor>>> {
-        let Some(value) = self
-            .broadcasts
-            .get(id.to_string())
+        let Some(value) = Leader::last(&self.broadcasts, &id.to_string())
             .await
             .map_err(|error| unavailable("broadcast copies", error))?
+            .filter(|entry| entry.put)
+            .map(|entry| entry.value)
         else {
             return Ok(None);
         };
@@ -578,8 +626,7 @@ impl NatsFleet {
         // after the SUB, it has the interest, and whatever any pod announces from now on
         // reaches it. (`flush` only empties the client's buffer.)
         self.trip();
-        self.pods
-            .entry("clock")
+        Leader::last(&self.pods, "clock")
             .await
             .map_err(|error| unavailable("fleet channel", error))?;
         Ok(subscriber
