@@ -102,6 +102,8 @@ const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
 const PUBLISH_WINDOW: usize = 256;
 /// Messages per replay fetch request.
 const FETCH_MAX: usize = 1000;
+/// How long one pull of a replay waits for a replica to catch up with its leader.
+const CATCH_UP_WAIT: Duration = Duration::from_millis(100);
 /// A replay consumer whose deletion failed is removed by the server after this.
 const REPLAY_CONSUMER_IDLE: Duration = Duration::from_secs(10);
 /// How long a stream found gone stays gone before the hub creates it again (see
@@ -530,6 +532,14 @@ impl Inner {
     }
 
     async fn read_after(&self, shard: u32, after: u64, limit: usize) -> BackendResult<ReadPage> {
+        // The shard's last entry as the stream leader has it. The consumer may be placed on a
+        // replica that has not applied it yet, and a page that ended short of it would end a
+        // replay before an entry the tail may already have routed: the client would never get
+        // it. So the page reads at least through it.
+        let target = self
+            .last_of_shard(shard)
+            .await?
+            .filter(|&last| last > after);
         let consumer = self
             .jetstream
             .create_consumer_on_stream(
@@ -557,15 +567,28 @@ impl Inner {
         let mut last = None;
         // Skipped messages do not count against `limit`: a short page tells the caller that the
         // shard has nothing more, so it must only be short at the end.
+        let behind = |last: Option<Position>| {
+            target.is_some_and(|target| last.is_none_or(|last| last.seq < target))
+        };
         let fetched = async {
-            while events.len() < limit && pending > 0 {
-                let want = min(min(limit - events.len(), FETCH_MAX) as u64, pending) as usize;
-                let mut batch = consumer
-                    .fetch()
-                    .max_messages(want)
-                    .messages()
-                    .await
-                    .map_err(|error| unavailable("fetch", error))?;
+            while events.len() < limit && (pending > 0 || behind(last)) {
+                let room = min(limit - events.len(), FETCH_MAX);
+                let mut batch = if pending > 0 {
+                    consumer
+                        .fetch()
+                        .max_messages(min(room as u64, pending) as usize)
+                        .messages()
+                        .await
+                } else {
+                    // Waits for the replica to catch up with the leader.
+                    consumer
+                        .batch()
+                        .max_messages(room)
+                        .expires(CATCH_UP_WAIT)
+                        .messages()
+                        .await
+                }
+                .map_err(|error| unavailable("fetch", error))?;
                 let mut got = 0;
                 while let Some(message) = batch.next().await {
                     let message = message.map_err(|error| unavailable("fetch", error))?;
@@ -588,7 +611,7 @@ impl Inner {
                     last = Some(layout::position(sequence));
                     events.extend(parsed);
                 }
-                if got == 0 {
+                if got == 0 && !behind(last) {
                     // Retention removed what was pending when the consumer was created.
                     break;
                 }
@@ -647,6 +670,22 @@ impl Inner {
     }
 
     /// The highest sequence that may have been removed from `shard` (the module doc says how).
+    /// The sequence of the shard's last entry, from the stream leader (`None`: it has none).
+    async fn last_of_shard(&self, shard: u32) -> BackendResult<Option<u64>> {
+        match self
+            .jetstream
+            .get_stream_no_info(&self.layout.stream)
+            .await
+            .map_err(|error| unavailable("stream", error))?
+            .get_last_raw_message_by_subject(&self.layout.subject(shard))
+            .await
+        {
+            Ok(message) => Ok(Some(message.sequence)),
+            Err(error) if error.kind() == LastRawMessageErrorKind::NoMessageFound => Ok(None),
+            Err(error) => Err(unavailable("last message of a shard", error)),
+        }
+    }
+
     async fn trimmed_through(&self, shard: u32, state: &StreamState) -> BackendResult<u64> {
         Ok(
             match Removed::of(state.first_sequence, state.last_sequence, state.messages) {
