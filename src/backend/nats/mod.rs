@@ -38,9 +38,11 @@
 //!   answers a duplicate with the original sequence, which becomes the original cursor (the
 //!   original has the same target, so the same shard). Each item is answered on its own: a
 //!   publish that failed or was never acknowledged fails its item only.
-//! - **Replay** (`read_after`) creates an ephemeral pull consumer filtered on the shard's subject
-//!   from `after + 1` and fetches the page, then deletes the consumer and reads the stream's
-//!   epoch: four round trips per page whatever its size, and the server does the filtering.
+//! - **Replay** (`read_after`) asks the stream leader for the shard's last entry, creates an
+//!   ephemeral pull consumer filtered on the shard's subject from `after + 1` and fetches the
+//!   page (at least through that entry: on a cluster the consumer may sit on a replica behind
+//!   the leader), then deletes the consumer and reads the stream's epoch: five round trips per
+//!   page whatever its size, and the server does the filtering.
 //!   Direct gets would cost one round trip per message (batched direct gets need nats-server
 //!   2.11). The epoch read after the fetch labels the page: a consumer lives and dies with the
 //!   stream it was created on, so a page read from a stream that was re-created before the
