@@ -7,16 +7,20 @@
 //! the instances heard from; connects other pods announced within [`RACE_WINDOW`]; the
 //! subscribers of `GET /v1/fleet/events`.
 //! Receives: [`SessionChanges`] from the Router (one message per batch of joins and leaves); the
-//! channel's [`FleetMessage`]s from every pod, this one included; [`SubscribeEvents`] from the
-//! HTTP edge; [`Farewell`] from the hub once the HTTP server has stopped.
+//! channel's [`FleetMessage`]s from every pod, this one included, and its gaps (messages may have
+//! been lost: the devices online are read from the store again, and what changed is reported);
+//! [`SubscribeEvents`] from the HTTP edge; [`Farewell`] from the hub once the HTTP server has
+//! stopped.
 //! Sends: presence writes and announcements to the store, in batches every [`FLUSH_EVERY`]
 //! (never one round trip per connection: a reconnect storm of 10,000 devices is a few dozen
 //! writes); [`CloseOlder`] to the Router when another pod announces a stream of a device that
-//! has one here (takeover); framed events into each subscriber's bounded channel.
+//! has one here, or a read of the store after a gap finds a newer one (takeover); framed events
+//! into each subscriber's bounded channel.
 //! When full: a fleet event subscriber whose channel is full is dropped (its stream ends; it
 //! reconnects). While a flush is in flight, or the store fails, writes wait (progress samples
 //! of one session coalesce), at most [`MAX_PENDING`]; beyond that the oldest are dropped and
-//! logged. A flush that takes longer than [`FLUSH_TIMEOUT`] counts as failed.
+//! logged. A flush that takes longer than [`FLUSH_TIMEOUT`] counts as failed. The announcements
+//! of failed writes are sent again once the writes are stored, and later ones wait behind them.
 //! Draining: nothing changes until [`Farewell`]: the last writes are flushed and the instance
 //! says it stops, so its devices show offline at once instead of after `presence.ttl`.
 
@@ -35,8 +39,8 @@ use super::{rotation::Rotation, router::CloseOlder};
 use crate::{
     backend::{
         fleet::{
-            replaces, FleetMessage, FleetStore, OnlineFilter, PresenceWrite, Session, SessionRef,
-            RACE_WINDOW,
+            replaces, DeviceRecord, FleetMessage, FleetStore, Heard, OnlineFilter, PresenceWrite,
+            Session, SessionRef, RACE_WINDOW,
         },
         BackendError,
     },
@@ -53,6 +57,12 @@ const FLUSH_EVERY: Duration = Duration::from_millis(100);
 const FLUSH_TIMEOUT: Duration = Duration::from_secs(5);
 /// Writes kept while a flush is in flight or the store is unreachable.
 const MAX_PENDING: usize = 200_000;
+/// News of a device heard this long before the devices online are read from the store is newer
+/// than what the store says: its pod writes and announces a change at the same time, and the
+/// write may take until its flush times out.
+const NEWS_FRESH: Duration = Duration::from_millis(5_100);
+/// How long a failed read of the devices online waits before it is tried again.
+const RELOAD_RETRY: Duration = Duration::from_secs(2);
 /// How often due debounce decisions and silent instances are looked at.
 const EVALUATE_EVERY: Duration = Duration::from_millis(250);
 /// How often the last sent id of an open stream is written (if it changed). Streams are sampled
@@ -144,6 +154,10 @@ pub struct Fleet {
     pending_writes: Vec<PresenceWrite>,
     /// Announcements for the next flush, in order.
     pending_messages: Vec<FleetMessage>,
+    /// Announcements of writes that failed, in order: announced again once the writes are
+    /// stored (the first may have been lost with the channel, and a pod that read the store
+    /// before the writes landed would never hear of them). Later announcements wait behind them.
+    unstored_messages: Vec<FleetMessage>,
     flushing: bool,
     local: HashMap<DeviceId, Local>,
     /// The local streams (device, connection), visited a slice per tick for their progress
@@ -162,9 +176,15 @@ pub struct Fleet {
     due: VecDeque<(Instant, DeviceId)>,
     /// Newest connect announced by another pod per device, and when it arrived.
     remote_connects: HashMap<DeviceId, (Session, Instant)>,
-    /// While the devices online at start-up are loading: those heard of meanwhile, whose news
-    /// is newer than the load's.
-    loading: Option<HashSet<DeviceId>>,
+    /// Devices heard of (connects and ends), in the order heard, within [`NEWS_FRESH`] (and
+    /// during a load): their news is newer than what a load reads.
+    news: VecDeque<(Instant, DeviceId)>,
+    /// When the load of the devices online in progress began.
+    loading: Option<Instant>,
+    /// A gap was heard during a load: load again once it is done.
+    load_again: bool,
+    /// The first load is done: what later loads find is news, reported as events.
+    loaded: bool,
     subscribers: Vec<mpsc::Sender<Bytes>>,
 }
 
@@ -189,6 +209,7 @@ impl Fleet {
             instance,
             pending_writes: Vec::new(),
             pending_messages: Vec::new(),
+            unstored_messages: Vec::new(),
             flushing: false,
             local: HashMap::new(),
             // A retention under 20 s needs its refreshes sooner than every 5 s.
@@ -199,7 +220,10 @@ impl Fleet {
             instances: HashMap::new(),
             due: VecDeque::new(),
             remote_connects: HashMap::new(),
+            news: VecDeque::new(),
             loading: None,
+            load_again: false,
+            loaded: false,
             subscribers: Vec::new(),
         }
     }
@@ -301,9 +325,7 @@ impl Fleet {
         match message {
             FleetMessage::Connected(session) => {
                 self.hear_of_instance(&session.instance, now);
-                if let Some(loading) = &mut self.loading {
-                    loading.insert(session.device.clone());
-                }
+                self.news.push_back((now, session.device.clone()));
                 if session.instance != self.instance {
                     if self.local.contains_key(&session.device) {
                         self.close_older(&session);
@@ -338,9 +360,7 @@ impl Fleet {
                 self.due.push_back((now + self.config.debounce, device));
             }
             FleetMessage::Disconnected { session, .. } => {
-                if let Some(loading) = &mut self.loading {
-                    loading.insert(session.device.clone());
-                }
+                self.news.push_back((now, session.device.clone()));
                 if let Some(seen) = self.view.get_mut(&session.device) {
                     if seen.session.instance == session.instance
                         && seen.session.session == session.session
@@ -445,6 +465,14 @@ impl Fleet {
         }
         self.remote_connects
             .retain(|_, (_, heard)| heard.elapsed() < RACE_WINDOW);
+        let keep_since = self.loading.unwrap_or(now).checked_sub(NEWS_FRESH);
+        while self
+            .news
+            .front()
+            .is_some_and(|(at, _)| keep_since.is_some_and(|since| *at < since))
+        {
+            self.news.pop_front();
+        }
     }
 
     /// Reports `device`'s state if it differs from what was last reported.
@@ -554,12 +582,16 @@ impl Fleet {
 
     fn flush(&mut self, ctx: &mut Context<Self>) {
         self.bound_pending();
-        if self.flushing || (self.pending_writes.is_empty() && self.pending_messages.is_empty()) {
+        let idle = self.pending_writes.is_empty()
+            && self.pending_messages.is_empty()
+            && self.unstored_messages.is_empty();
+        if self.flushing || idle {
             return;
         }
         self.flushing = true;
         let writes = std::mem::take(&mut self.pending_writes);
-        let messages = std::mem::take(&mut self.pending_messages);
+        let unstored = std::mem::take(&mut self.unstored_messages);
+        let mut messages = std::mem::take(&mut self.pending_messages);
         let store = self.store.clone();
         let work = async move {
             let write = async {
@@ -571,23 +603,38 @@ impl Fleet {
                     Err(_) => Err(BackendError::unavailable("presence writes timed out")),
                 }
             };
-            // Announced at the same time as the writes, not after them: takeovers on other
-            // pods wait for the announcement only.
-            let announce = async {
-                if messages.is_empty() {
-                    return Ok(());
-                }
-                match tokio::time::timeout(FLUSH_TIMEOUT, store.announce(messages)).await {
-                    Ok(announced) => announced,
-                    Err(_) => Err(BackendError::unavailable("announcements timed out")),
+            let announce = |messages: Vec<FleetMessage>| {
+                let store = store.clone();
+                async move {
+                    if messages.is_empty() {
+                        return Ok(());
+                    }
+                    match tokio::time::timeout(FLUSH_TIMEOUT, store.announce(messages)).await {
+                        Ok(announced) => announced,
+                        Err(_) => Err(BackendError::unavailable("announcements timed out")),
+                    }
                 }
             };
-            let (written, announced) = futures_util::join!(write, announce);
-            (writes, written, announced)
+            if unstored.is_empty() {
+                // Announced at the same time as the writes, not after them: takeovers on other
+                // pods wait for the announcement only.
+                let (written, announced) = futures_util::join!(write, announce(messages.clone()));
+                return (writes, messages, written, announced);
+            }
+            // Earlier writes failed: their announcements go again once the writes are stored,
+            // and this flush's after them, keeping the order.
+            let mut all = unstored;
+            all.append(&mut messages);
+            let written = write.await;
+            let announced = match written {
+                Ok(()) => announce(all.clone()).await,
+                Err(_) => Ok(()),
+            };
+            (writes, all, written, announced)
         };
         ctx.spawn(
             work.into_actor(self)
-                .map(|(writes, written, announced), fleet, _| {
+                .map(|(writes, messages, written, announced), fleet, _| {
                     fleet.flushing = false;
                     if let Err(error) = written {
                         log::warn!(
@@ -598,10 +645,17 @@ impl Fleet {
                         let mut kept = writes;
                         kept.append(&mut fleet.pending_writes);
                         fleet.pending_writes = kept;
-                    }
-                    if let Err(error) = announced {
-                        // Other pods miss these connects: their takeover and events fall back
-                        // on liveness (ttl).
+                        fleet.unstored_messages = messages;
+                        let excess = fleet.unstored_messages.len().saturating_sub(MAX_PENDING);
+                        if excess > 0 {
+                            log::warn!(
+                                "presence: {excess} announcements dropped: the store is away"
+                            );
+                            fleet.unstored_messages.drain(..excess);
+                        }
+                    } else if let Err(error) = announced {
+                        // Other pods miss these changes until they read the store again (after a
+                        // gap in their channel) or liveness decides (ttl).
                         log::warn!("presence: announcements lost: {}", Report(&error));
                     }
                 }),
@@ -631,10 +685,11 @@ impl Fleet {
         let store = self.store.clone();
         ctx.spawn(async move { store.subscribe().await }.into_actor(self).map(
             |subscribed, fleet, ctx| match subscribed {
-                Ok(messages) => {
-                    ctx.add_stream(messages);
-                    // What was announced before (at start) or while away (after an outage) is
-                    // not on the channel: take the devices online from the store.
+                Ok(heard) => {
+                    ctx.add_stream(heard);
+                    // What was announced before (at start) or while away (after the
+                    // subscription ended) is not on the channel: take the devices online from
+                    // the store.
                     fleet.load_online(ctx);
                 }
                 Err(error) => {
@@ -650,9 +705,17 @@ impl Fleet {
 
     /// Brings the view in line with the devices the store says are online: adds those not
     /// known, ends those it no longer lists (a goodbye lost with the channel), except devices
-    /// heard of while the list was read, whose news is newer.
+    /// with fresher news (heard within [`NEWS_FRESH`] before the load began, or during it) and
+    /// this instance's own, which it knows better than the store. What the first load finds
+    /// was online before this pod heard of it: only later loads (after a gap in the channel)
+    /// report what they find.
     fn load_online(&mut self, ctx: &mut Context<Self>) {
-        self.loading = Some(HashSet::new());
+        if self.loading.is_some() {
+            self.load_again = true;
+            return;
+        }
+        let started = Instant::now();
+        self.loading = Some(started);
         let store = self.store.clone();
         let work = async move {
             let mut online = Vec::new();
@@ -669,66 +732,102 @@ impl Fleet {
             }
             Ok::<_, BackendError>(online)
         };
-        ctx.spawn(work.into_actor(self).map(|loaded, fleet, _| {
-            let heard = fleet.loading.take().unwrap_or_default();
-            let records = match loaded {
-                Ok(records) => records,
+        ctx.spawn(work.into_actor(self).map(move |loaded, fleet, ctx| {
+            fleet.loading = None;
+            match loaded {
+                Ok(records) => {
+                    fleet.take_online(records, started);
+                    fleet.loaded = true;
+                    if std::mem::take(&mut fleet.load_again) {
+                        fleet.load_online(ctx);
+                    }
+                }
                 Err(error) => {
                     log::warn!(
-                        "presence: cannot load the devices online: {}",
+                        "presence: cannot load the devices online, trying again in {:?}: {}",
+                        RELOAD_RETRY,
                         Report(&error)
                     );
-                    return;
+                    fleet.load_again = false;
+                    ctx.run_later(RELOAD_RETRY, |fleet, ctx| fleet.load_online(ctx));
                 }
-            };
-            let now = Instant::now();
-            fleet.recount_online = true;
-            let listed: HashSet<DeviceId> =
-                records.iter().map(|record| record.device.clone()).collect();
-            for record in records {
-                if heard.contains(&record.device) {
-                    continue;
-                }
-                fleet.hear_of_instance(&record.instance, now);
-                let session = Session {
-                    device: record.device.clone(),
-                    pod: record.pod,
-                    instance: record.instance,
-                    session: record.session,
-                    connected_ms: record.connected_ms,
-                    remote: record.remote,
-                    user_agent: record.user_agent,
-                };
-                fleet
-                    .view
-                    .entry(record.device.clone())
-                    .and_modify(|seen| {
-                        seen.session = session.clone();
-                        seen.open = true;
-                    })
-                    .or_insert(Seen {
-                        session,
-                        open: true,
-                        // Online before this pod heard of it: nothing to report.
-                        reported: true,
-                    });
-                fleet.due.push_back((now, record.device));
-            }
-            let ended: Vec<DeviceId> = fleet
-                .view
-                .iter()
-                .filter(|(device, seen)| {
-                    seen.open && !listed.contains(*device) && !heard.contains(*device)
-                })
-                .map(|(device, _)| device.clone())
-                .collect();
-            for device in ended {
-                if let Some(seen) = fleet.view.get_mut(&device) {
-                    seen.open = false;
-                }
-                fleet.due.push_back((now, device));
             }
         }));
+    }
+
+    /// See [`Fleet::load_online`].
+    fn take_online(&mut self, records: Vec<DeviceRecord>, started: Instant) {
+        let fresh_since = started.checked_sub(NEWS_FRESH).unwrap_or(started);
+        let fresh: HashSet<&DeviceId> = self
+            .news
+            .iter()
+            .rev()
+            .take_while(|(at, _)| *at >= fresh_since)
+            .map(|(_, device)| device)
+            .collect();
+        let known_better =
+            |device: &DeviceId, instance: &str| fresh.contains(device) || instance == self.instance;
+        let skipped: Vec<bool> = records
+            .iter()
+            .map(|record| known_better(&record.device, &record.instance))
+            .collect();
+        let listed: HashSet<DeviceId> =
+            records.iter().map(|record| record.device.clone()).collect();
+        let ended: Vec<DeviceId> = self
+            .view
+            .iter()
+            .filter(|(device, seen)| {
+                seen.open
+                    && !listed.contains(*device)
+                    && !known_better(device, &seen.session.instance)
+            })
+            .map(|(device, _)| device.clone())
+            .collect();
+        let now = Instant::now();
+        self.recount_online = true;
+        // Online before this pod heard of it: nothing to report, unless the first load is done.
+        let reported = !self.loaded;
+        for (record, skip) in records.into_iter().zip(skipped) {
+            if skip {
+                continue;
+            }
+            self.hear_of_instance(&record.instance, now);
+            let session = Session {
+                device: record.device.clone(),
+                pod: record.pod,
+                instance: record.instance,
+                session: record.session,
+                connected_ms: record.connected_ms,
+                remote: record.remote,
+                user_agent: record.user_agent,
+            };
+            // A connect this pod did not hear of: takeover, as if it had.
+            if self
+                .local
+                .get(&session.device)
+                .is_some_and(|local| local.session.rank() < session.rank())
+            {
+                self.close_older(&session);
+            }
+            self.view
+                .entry(record.device.clone())
+                .and_modify(|seen| {
+                    seen.session = session.clone();
+                    seen.open = true;
+                })
+                .or_insert(Seen {
+                    session,
+                    open: true,
+                    reported,
+                });
+            self.due.push_back((now, record.device));
+        }
+        for device in ended {
+            if let Some(seen) = self.view.get_mut(&device) {
+                seen.open = false;
+            }
+            self.due.push_back((now, device));
+        }
     }
 }
 
@@ -777,9 +876,17 @@ impl Handler<SessionChanges> for Fleet {
     }
 }
 
-impl StreamHandler<FleetMessage> for Fleet {
-    fn handle(&mut self, message: FleetMessage, _: &mut Context<Self>) {
-        self.heard(message);
+impl StreamHandler<Heard> for Fleet {
+    fn handle(&mut self, heard: Heard, ctx: &mut Context<Self>) {
+        match heard {
+            Heard::Message(message) => self.heard(message),
+            Heard::Gap => {
+                log::info!(
+                    "fleet channel: messages may have been lost, reading the devices online"
+                );
+                self.load_online(ctx);
+            }
+        }
     }
 
     fn finished(&mut self, ctx: &mut Context<Self>) {
@@ -805,7 +912,8 @@ impl Handler<Farewell> for Fleet {
 
     fn handle(&mut self, _: Farewell, _: &mut Context<Self>) -> Self::Result {
         let writes = std::mem::take(&mut self.pending_writes);
-        let messages = std::mem::take(&mut self.pending_messages);
+        let mut messages = std::mem::take(&mut self.unstored_messages);
+        messages.append(&mut self.pending_messages);
         let store = self.store.clone();
         let goodbye = self.beat(true);
         Box::pin(
@@ -829,7 +937,11 @@ impl Handler<Farewell> for Fleet {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::fleet::{memory::MemoryFleet, FleetSettings};
+    use crate::backend::{
+        fleet::{memory::MemoryFleet, AckOutcome, DevicePage, FleetSettings},
+        BackendResult,
+    };
+    use futures_util::{future::BoxFuture, stream::BoxStream, StreamExt};
 
     struct NoRouter;
 
@@ -1043,5 +1155,156 @@ mod tests {
             "{samples} samples in {:?}: progress is still sampled once per {PROGRESS_EVERY:?}",
             end - start
         );
+    }
+
+    /// A memory store whose writes fail while `away`, and whose announcements are then lost
+    /// (as with a client that takes a publish while disconnected as sent).
+    struct Flaky {
+        inner: MemoryFleet,
+        away: std::sync::atomic::AtomicBool,
+    }
+
+    impl Flaky {
+        fn away(&self) -> bool {
+            self.away.load(std::sync::atomic::Ordering::SeqCst)
+        }
+    }
+
+    impl FleetStore for Flaky {
+        fn write(&self, changes: Vec<PresenceWrite>) -> BoxFuture<'_, BackendResult<()>> {
+            if self.away() {
+                return async { Err(BackendError::unavailable("away")) }.boxed();
+            }
+            self.inner.write(changes)
+        }
+        fn beat(
+            &self,
+            pod: &str,
+            instance: &str,
+            stopping: bool,
+        ) -> BoxFuture<'_, BackendResult<()>> {
+            self.inner.beat(pod, instance, stopping)
+        }
+        fn device(&self, device: &DeviceId) -> BoxFuture<'_, BackendResult<Option<DeviceRecord>>> {
+            self.inner.device(device)
+        }
+        fn list(
+            &self,
+            filter: OnlineFilter,
+            limit: usize,
+            cursor: Option<&str>,
+        ) -> BoxFuture<'_, BackendResult<DevicePage>> {
+            self.inner.list(filter, limit, cursor)
+        }
+        fn ack(
+            &self,
+            device: &DeviceId,
+            cursor: &Cursor,
+            at_ms: u64,
+        ) -> BoxFuture<'_, BackendResult<AckOutcome>> {
+            self.inner.ack(device, cursor, at_ms)
+        }
+        fn record_broadcast(&self, copies: Vec<Cursor>) -> BoxFuture<'_, BackendResult<()>> {
+            self.inner.record_broadcast(copies)
+        }
+        fn broadcast_copies(
+            &self,
+            id: &Cursor,
+        ) -> BoxFuture<'_, BackendResult<Option<Vec<Cursor>>>> {
+            self.inner.broadcast_copies(id)
+        }
+        fn announce(&self, messages: Vec<FleetMessage>) -> BoxFuture<'_, BackendResult<()>> {
+            if self.away() {
+                return async { Ok(()) }.boxed();
+            }
+            self.inner.announce(messages)
+        }
+        fn subscribe(&self) -> BoxFuture<'_, BackendResult<BoxStream<'static, Heard>>> {
+            self.inner.subscribe()
+        }
+    }
+
+    /// Changes whose writes failed are announced again once the writes land, in their order,
+    /// and what the pod announces meanwhile waits behind them (a Disconnected heard before the
+    /// Connected it ends would leave the device online on every other pod).
+    #[actix::test]
+    async fn announcements_of_failed_writes_go_again_in_order_once_stored() {
+        let settings = FleetSettings {
+            ttl: Duration::from_secs(30),
+            retention: Duration::from_secs(3600),
+        };
+        let store = Arc::new(Flaky {
+            inner: MemoryFleet::new(settings),
+            away: true.into(),
+        });
+        let mut heard = store.inner.subscribe().await.unwrap();
+        let mut fleet = fleet();
+        fleet.store = store.clone();
+        let fleet = fleet.start();
+        let change = |device: &str, connection_id: u64, open: bool| {
+            let device = DeviceId::parse(device).unwrap();
+            if open {
+                SessionChange::Opened {
+                    device,
+                    connection_id,
+                    opened_ms: unix_ms(),
+                    peer: Peer::default(),
+                    progress: Progress::default(),
+                }
+            } else {
+                SessionChange::Closed {
+                    device,
+                    connection_id,
+                    at_ms: unix_ms(),
+                    last_sent: None,
+                }
+            }
+        };
+        fleet
+            .send(SessionChanges(vec![change("dev-1", 1, true)]))
+            .await
+            .unwrap();
+        tokio::time::sleep(FLUSH_EVERY * 3).await;
+        fleet
+            .send(SessionChanges(vec![
+                change("dev-1", 1, false),
+                change("dev-2", 2, true),
+            ]))
+            .await
+            .unwrap();
+        tokio::time::sleep(FLUSH_EVERY * 3).await;
+        store.away.store(false, std::sync::atomic::Ordering::SeqCst);
+        // Back: a change now is announced after those of the outage.
+        tokio::time::sleep(FLUSH_EVERY / 2).await;
+        fleet
+            .send(SessionChanges(vec![change("dev-3", 3, true)]))
+            .await
+            .unwrap();
+
+        let mut changes = Vec::new();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        while changes.len() < 4 {
+            let next = tokio::time::timeout_at(deadline, heard.next()).await;
+            let heard = match next.unwrap_or_else(|_| panic!("after the outage: only {changes:?}"))
+            {
+                None => panic!("the channel ended"),
+                Some(heard) => heard,
+            };
+            match heard {
+                Heard::Message(FleetMessage::Connected(session)) => {
+                    changes.push(format!("+{}", session.device.as_str()))
+                }
+                Heard::Message(FleetMessage::Disconnected { session, .. }) => {
+                    changes.push(format!("-{}", session.device.as_str()))
+                }
+                _ => {}
+            }
+        }
+        assert_eq!(changes, ["+dev-1", "-dev-1", "+dev-2", "+dev-3"]);
+        let dev = |name: &str| DeviceId::parse(name).unwrap();
+        let record = store.inner.device(&dev("dev-1")).await.unwrap().unwrap();
+        assert!(!record.online, "dev-1's end is stored");
+        let record = store.inner.device(&dev("dev-2")).await.unwrap().unwrap();
+        assert!(record.online, "dev-2's connect is stored");
     }
 }

@@ -748,6 +748,64 @@ pub async fn presence_written_during_an_outage_lands_after_it(env: &mut Env) {
     drop(arriving);
 }
 
+/// Devices come and go on one pod while the store is away: once it is back, another pod's fleet
+/// event stream reports both changes, the connect as `device.online` and the disconnect as
+/// `device.offline`. What either pod announced meanwhile may be lost with the channel (a pod's
+/// client may send it before the other pod's client has subscribed again), so each pod reads the
+/// devices online again when its channel comes back, and a pod whose writes had to wait for the
+/// store announces them again once they are stored.
+pub async fn changes_during_an_outage_reach_other_pods_fleet_events(env: &mut Env) {
+    if !env.part(
+        "fleet events across an outage",
+        &[Fault::Outage, Fault::SharedStore],
+    ) {
+        return;
+    }
+    let a = pod(env, "pod-a", "30s", DEBOUNCE).await;
+    let b = pod(env, "pod-b", "30s", DEBOUNCE).await;
+    let mut events = fleet_events(&b).await;
+    let leaving = stream_of(&a, "pos-dark-1", &[]).await;
+    assert_eq!(
+        next_fleet_event(&mut events, "pos-dark-1", WAIT)
+            .await
+            .event,
+        "device.online"
+    );
+
+    env.outage_begin().await;
+    crate::env::wait_for_readiness(&a, 503, WAIT).await;
+    crate::env::wait_for_readiness(&b, 503, WAIT).await;
+    drop(leaving);
+    let arriving = SseClient::connect(a.addr(), &stream_path("pos-dark-2"), &[]).await;
+    assert_eq!(arriving.status(), 200, "a stream opens during the outage");
+    // Longer than a flush may take (5 s): the writes fail and wait for the store.
+    tokio::time::sleep(Duration::from_secs(7)).await;
+    env.outage_end().await;
+    crate::env::wait_for_readiness(&a, 200, WAIT).await;
+    crate::env::wait_for_readiness(&b, 200, WAIT).await;
+
+    // Well within presence.ttl (30 s): not the liveness fallback.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+    let mut heard = std::collections::BTreeMap::new();
+    while heard.len() < 2 {
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        match events.next_event(left).await {
+            SseNext::Event(event) => {
+                let data: Value = serde_json::from_str(&event.data).expect("JSON data");
+                let device = data["device"].as_str().unwrap_or_default().to_owned();
+                heard.entry(device).or_insert(event.event);
+            }
+            other => panic!("fleet events of pod-b after the outage: {heard:?}, then {other:?}"),
+        }
+    }
+    let expected = [
+        ("pos-dark-1".to_owned(), "device.offline".to_owned()),
+        ("pos-dark-2".to_owned(), "device.online".to_owned()),
+    ];
+    assert_eq!(heard, expected.into_iter().collect());
+    drop(arriving);
+}
+
 /// A pod drained on deploy leaves no device online behind: its devices show offline on the other
 /// pods at once (well within `presence.ttl`, 30 s here), with the last id each was sent, and
 /// their fleet event streams report it. (The drain closes the stream, whose end is written like

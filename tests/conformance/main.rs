@@ -199,6 +199,7 @@ conformance! {
     fleet::a_double_connect_leaves_one_stream,
     fleet::presence_written_during_an_outage_lands_after_it,
     fleet::a_drained_pods_devices_go_offline_at_once,
+    fleet::changes_during_an_outage_reach_other_pods_fleet_events,
     order::live_events_arrive_in_order_as_published,
     order::a_broadcast_reaches_every_shard_once,
     order::a_tail_starts_at_now,

@@ -13,15 +13,15 @@ use tokio::sync::broadcast;
 
 use super::{
     ack_moves, last_seen_ms, replaces, AckOutcome, DevicePage, DeviceRecord, FleetMessage,
-    FleetSettings, FleetStore, OnlineFilter, PresenceWrite, Session,
+    FleetSettings, FleetStore, Heard, OnlineFilter, PresenceWrite, Session,
 };
 use crate::{
     backend::BackendResult,
     model::{unix_ms, Cursor, DeviceId},
 };
 
-/// Messages a slow subscriber may fall behind by before it misses some (it then relies on
-/// liveness, as after an outage of a shared store).
+/// Messages a slow subscriber may fall behind by before it misses some (it then hears a gap,
+/// as after an outage of a shared store).
 const CHANNEL_CAPACITY: usize = 65_536;
 
 pub struct MemoryFleet {
@@ -315,16 +315,13 @@ impl FleetStore for MemoryFleet {
         async { Ok(()) }.boxed()
     }
 
-    fn subscribe(&self) -> BoxFuture<'_, BackendResult<BoxStream<'static, FleetMessage>>> {
+    fn subscribe(&self) -> BoxFuture<'_, BackendResult<BoxStream<'static, Heard>>> {
         let receiver = self.channel.subscribe();
         let stream = futures_util::stream::unfold(receiver, |mut receiver| async move {
-            loop {
-                match receiver.recv().await {
-                    Ok(message) => return Some((message, receiver)),
-                    // Missed some: go on with what follows, as after an outage.
-                    Err(broadcast::error::RecvError::Lagged(_)) => continue,
-                    Err(broadcast::error::RecvError::Closed) => return None,
-                }
+            match receiver.recv().await {
+                Ok(message) => Some((Heard::Message(message), receiver)),
+                Err(broadcast::error::RecvError::Lagged(_)) => Some((Heard::Gap, receiver)),
+                Err(broadcast::error::RecvError::Closed) => None,
             }
         })
         .boxed();

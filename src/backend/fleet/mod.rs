@@ -34,8 +34,9 @@
 //! - **Broadcast copies.** The hub records, for every broadcast it appends, the cursor of its
 //!   copy on every shard, keyed by the id it answered (the copy on shard 0), for `retention`.
 //! - **Channel.** `announce` reaches every subscriber of every pod, this one included, at most
-//!   once and in order per publisher; `subscribe` is resubscribed by the store after an outage
-//!   (messages sent meanwhile are lost: consumers fall back on liveness).
+//!   once and in order per publisher; `subscribe` is resubscribed by the store after an outage,
+//!   and then yields [`Heard::Gap`]: messages sent meanwhile may be lost, so the subscriber reads
+//!   the store again. So does one that fell behind.
 
 pub mod memory;
 
@@ -170,6 +171,16 @@ pub enum FleetMessage {
     },
 }
 
+/// What a subscription to the channel yields.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Heard {
+    Message(FleetMessage),
+    /// Messages may have been lost here: the subscription was away (the store's link dropped and
+    /// came back, and it is subscribed again) or fell behind. What the store holds is the truth
+    /// to go back to.
+    Gap,
+}
+
 pub trait FleetStore: Send + Sync + 'static {
     /// Applies a batch of presence changes in order, in as few round trips as the store allows.
     fn write(&self, changes: Vec<PresenceWrite>) -> BoxFuture<'_, BackendResult<()>>;
@@ -200,8 +211,9 @@ pub trait FleetStore: Send + Sync + 'static {
     /// Sends `messages` to every pod's subscription, in order, in one message of the channel
     /// (a storm's connects travel in batches, not one publish each).
     fn announce(&self, messages: Vec<FleetMessage>) -> BoxFuture<'_, BackendResult<()>>;
-    /// Every message announced from now on, by any pod.
-    fn subscribe(&self) -> BoxFuture<'_, BackendResult<BoxStream<'static, FleetMessage>>>;
+    /// Every message announced from now on, by any pod, and a [`Heard::Gap`] wherever some may
+    /// have been lost.
+    fn subscribe(&self) -> BoxFuture<'_, BackendResult<BoxStream<'static, Heard>>>;
 }
 
 /// Two sessions of a device that opened within this long of each other are a race, decided by

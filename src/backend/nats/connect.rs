@@ -24,6 +24,7 @@
 use std::path::{Path, PathBuf};
 
 use async_nats::{ConnectErrorKind, ConnectOptions, ServerAddr};
+use tokio::sync::watch;
 
 use super::{unavailable, CONNECT_TIMEOUT, REQUEST_TIMEOUT};
 use crate::{
@@ -47,6 +48,16 @@ pub struct NatsFileError {
 /// prove who it is, before it connects.
 pub struct NatsAccess {
     options: ConnectOptions,
+    connections: watch::Receiver<u64>,
+}
+
+/// A connected client, and how many times it has connected so far (the first connection
+/// included): a subscriber that sees the count change knows its link dropped and came back,
+/// and that what was published meanwhile did not reach it (async-nats subscribes again by
+/// itself, silently).
+pub(super) struct Connected {
+    pub client: async_nats::Client,
+    pub connections: watch::Receiver<u64>,
 }
 
 impl std::fmt::Debug for NatsAccess {
@@ -59,37 +70,48 @@ impl std::fmt::Debug for NatsAccess {
 impl NatsAccess {
     /// Reads and checks the files of `nats` (and the credentials inside its URLs).
     pub fn load(nats: &NatsConfig) -> Result<NatsAccess, NatsFileError> {
+        let (counter, connections) = watch::channel(0u64);
+        let counter = std::sync::Arc::new(counter);
         let options = ConnectOptions::new()
             .name("posthorn")
             .connection_timeout(CONNECT_TIMEOUT)
             .request_timeout(Some(REQUEST_TIMEOUT))
             // The client reconnects forever (the default); say so in the log, once per change.
-            .event_callback(|event| async move {
-                match event {
-                    async_nats::Event::Connected => log::info!("nats: connected"),
-                    other => log::warn!("nats: {other}"),
+            .event_callback(move |event| {
+                let counter = counter.clone();
+                async move {
+                    match event {
+                        async_nats::Event::Connected => {
+                            log::info!("nats: connected");
+                            counter.send_modify(|count| *count += 1);
+                        }
+                        other => log::warn!("nats: {other}"),
+                    }
                 }
             });
         let options = tls(options, nats)?;
         let options = credentials(options, nats)?;
-        Ok(NatsAccess { options })
+        Ok(NatsAccess {
+            options,
+            connections,
+        })
     }
 }
 
 /// Connects to the servers of `nats` with `access`; fails when a URL is not one, or the servers
 /// cannot be reached, refuse the credentials or fail TLS within [`CONNECT_TIMEOUT`].
-pub(super) async fn connect(
-    nats: &NatsConfig,
-    access: NatsAccess,
-) -> BackendResult<async_nats::Client> {
+pub(super) async fn connect(nats: &NatsConfig, access: NatsAccess) -> BackendResult<Connected> {
     let servers = server_addrs(&nats.url)?;
-    let options = access.options;
+    let NatsAccess {
+        options,
+        connections,
+    } = access;
     let shown: Vec<String> = nats
         .url
         .iter()
         .map(|url| url.redacted().trim().to_string())
         .collect();
-    options.connect(servers).await.map_err(|error| {
+    let client = options.connect(servers).await.map_err(|error| {
         let hint = match error.kind() {
             ConnectErrorKind::AuthorizationViolation | ConnectErrorKind::Authentication => {
                 " (the server refused the credentials: check nats.creds_file, \
@@ -106,6 +128,10 @@ pub(super) async fn connect(
             &format!("cannot connect to {}{hint}", shown.join(",")),
             error,
         )
+    })?;
+    Ok(Connected {
+        client,
+        connections,
     })
 }
 

@@ -43,7 +43,7 @@ use crate::{
     backend::{
         fleet::{
             ack_moves, last_seen_ms, replaces, AckOutcome, DevicePage, DeviceRecord, FleetMessage,
-            FleetSettings, FleetStore, OnlineFilter, PresenceWrite, Session,
+            FleetSettings, FleetStore, Heard, OnlineFilter, PresenceWrite, Session,
         },
         BackendError, BackendResult,
     },
@@ -79,6 +79,8 @@ struct Beat {
 
 pub struct NatsFleet {
     client: async_nats::Client,
+    /// How many times the client has connected: a change is a gap in the channel.
+    connections: tokio::sync::watch::Receiver<u64>,
     jetstream: jetstream::Context,
     devices: kv::Store,
     pods: kv::Store,
@@ -205,6 +207,7 @@ impl NatsFleet {
         let broadcasts = open(bucket("broadcasts", "posthorn fleet: broadcast copies")).await?;
         let fleet = Self {
             client: inner.client.clone(),
+            connections: inner.connections.clone(),
             jetstream: inner.jetstream.clone(),
             devices,
             pods,
@@ -615,8 +618,12 @@ impl NatsFleet {
             .map_err(|error| unavailable("fleet channel", error))
     }
 
-    /// A core subscription: the client subscribes again by itself after a reconnection.
-    async fn subscribe(&self) -> BackendResult<BoxStream<'static, FleetMessage>> {
+    /// A core subscription: the client subscribes again by itself after a reconnection, which
+    /// the stream reports as a gap.
+    async fn subscribe(&self) -> BackendResult<BoxStream<'static, Heard>> {
+        // Taken before the SUB: a reconnection from here on is a gap (at worst one too many).
+        let mut connections = self.connections.clone();
+        connections.borrow_and_update();
         let subscriber = self
             .client
             .subscribe(self.subject.clone())
@@ -624,23 +631,39 @@ impl NatsFleet {
             .map_err(|error| unavailable("fleet channel", error))?;
         // The server handles a connection's messages in order: once it answered a request sent
         // after the SUB, it has the interest, and whatever any pod announces from now on
-        // reaches it. (`flush` only empties the client's buffer.)
+        // reaches it. (`flush` only empties the client's buffer.) After a reconnection the
+        // client sends the SUB before anything else, so what the subscriber asks after hearing
+        // of the gap is answered with the interest in place too.
         self.trip();
         Leader::last(&self.pods, "clock")
             .await
             .map_err(|error| unavailable("fleet channel", error))?;
-        Ok(subscriber
-            .filter_map(|message| async move {
-                match serde_json::from_slice::<Vec<FleetMessage>>(&message.payload) {
-                    Ok(batch) => Some(futures_util::stream::iter(batch)),
-                    Err(error) => {
-                        log::warn!("nats: a fleet channel message that is not ours: {error}");
-                        None
-                    }
+        let stream = futures_util::stream::unfold(
+            (subscriber, connections),
+            |(mut subscriber, mut connections)| async move {
+                loop {
+                    let heard: Vec<Heard> = tokio::select! {
+                        Ok(()) = connections.changed() => {
+                            connections.borrow_and_update();
+                            vec![Heard::Gap]
+                        }
+                        message = subscriber.next() => {
+                            match serde_json::from_slice::<Vec<FleetMessage>>(&message?.payload) {
+                                Ok(batch) => batch.into_iter().map(Heard::Message).collect(),
+                                Err(error) => {
+                                    log::warn!(
+                                        "nats: a fleet channel message that is not ours: {error}"
+                                    );
+                                    continue;
+                                }
+                            }
+                        }
+                    };
+                    return Some((heard, (subscriber, connections)));
                 }
-            })
-            .flatten()
-            .boxed())
+            },
+        );
+        Ok(stream.flat_map(futures_util::stream::iter).boxed())
     }
 }
 
@@ -749,7 +772,7 @@ impl FleetStore for NatsFleet {
         self.announce(messages).boxed()
     }
 
-    fn subscribe(&self) -> BoxFuture<'_, BackendResult<BoxStream<'static, FleetMessage>>> {
+    fn subscribe(&self) -> BoxFuture<'_, BackendResult<BoxStream<'static, Heard>>> {
         self.subscribe().boxed()
     }
 }

@@ -127,6 +127,8 @@ struct Inner {
     layout: Layout,
     settings: NatsSettings,
     client: async_nats::Client,
+    /// How many times `client` has connected (see [`connect::Connected`]).
+    connections: tokio::sync::watch::Receiver<u64>,
     jetstream: jetstream::Context,
     /// The stream's epoch as last seen; stamped on the cursors of appends.
     epoch: Mutex<Epoch>,
@@ -147,7 +149,10 @@ impl NatsBackend {
     /// reached within [`CONNECT_TIMEOUT`] or refuses the hub, or the existing stream conflicts
     /// with ours.
     pub async fn connect(settings: NatsSettings, access: NatsAccess) -> BackendResult<Self> {
-        let client = connect::connect(&settings.nats, access).await?;
+        let connect::Connected {
+            client,
+            connections,
+        } = connect::connect(&settings.nats, access).await?;
         let jetstream = jetstream::ContextBuilder::new()
             .timeout(REQUEST_TIMEOUT)
             .build(client.clone());
@@ -156,6 +161,7 @@ impl NatsBackend {
             layout,
             settings,
             client,
+            connections,
             jetstream,
             // Replaced below, before anything reads it.
             epoch: Mutex::new(layout::epoch_of(0)),

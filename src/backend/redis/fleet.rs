@@ -29,7 +29,7 @@ use crate::{
     backend::{
         fleet::{
             last_seen_ms, AckOutcome, DevicePage, DeviceRecord, FleetMessage, FleetSettings,
-            FleetStore, OnlineFilter, PresenceWrite, RACE_WINDOW,
+            FleetStore, Heard, OnlineFilter, PresenceWrite, RACE_WINDOW,
         },
         BackendError, BackendResult,
     },
@@ -503,7 +503,7 @@ impl RedisFleet {
 
     /// A connection of its own (same settings as the backend's) subscribed to the channel, and
     /// subscribed again after every reconnection.
-    async fn subscribe(&self) -> BackendResult<BoxStream<'static, FleetMessage>> {
+    async fn subscribe(&self) -> BackendResult<BoxStream<'static, Heard>> {
         // RESP3: messages arrive as push frames, which fred never takes for the answer of a
         // command in flight (with RESP2 a message arriving while a SUBSCRIBE waits for its
         // answer could be taken for it and lost).
@@ -527,19 +527,23 @@ impl RedisFleet {
         // the SUBSCRIBE above covers; later ones are reconnections, after which the server
         // has forgotten the subscription.
         while reconnects.try_recv().is_ok() {}
+        // One gap stands for any number of resubscriptions not yet taken from the stream.
+        let (gaps, gaps_heard) = tokio::sync::mpsc::channel::<()>(1);
         let resubscriber = subscriber.clone();
         let resubscribe = tokio::spawn(async move {
             loop {
                 match reconnects.recv().await {
-                    Ok(_) => {
-                        if let Err(error) = resubscriber.subscribe(channel.clone()).await {
-                            // The next reconnection tries again; meanwhile liveness decides.
-                            log::warn!(
-                                "redis: cannot subscribe to the fleet channel again: {}",
-                                Report(&error)
-                            );
+                    Ok(_) => match resubscriber.subscribe(channel.clone()).await {
+                        // What was announced while the link was down is lost: a gap.
+                        Ok(()) => {
+                            let _ = gaps.try_send(());
                         }
-                    }
+                        // The next reconnection tries again; meanwhile liveness decides.
+                        Err(error) => log::warn!(
+                            "redis: cannot subscribe to the fleet channel again: {}",
+                            Report(&error)
+                        ),
+                    },
                     Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => continue,
                     Err(tokio::sync::broadcast::error::RecvError::Closed) => return,
                 }
@@ -549,24 +553,29 @@ impl RedisFleet {
             client: subscriber,
             resubscribe,
         };
-        let stream =
-            futures_util::stream::unfold((messages, guard), |(mut messages, guard)| async move {
+        let stream = futures_util::stream::unfold(
+            (messages, gaps_heard, guard),
+            |(mut messages, mut gaps_heard, guard)| async move {
                 loop {
-                    match messages.recv().await {
-                        Ok(message) => {
-                            let Some(batch) = decode(&message.value) else {
-                                continue;
-                            };
-                            return Some((batch, (messages, guard)));
-                        }
-                        // Missed some: go on, as after an outage (liveness covers the gap).
-                        Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => continue,
-                        Err(tokio::sync::broadcast::error::RecvError::Closed) => return None,
-                    }
+                    let heard = tokio::select! {
+                        Some(()) = gaps_heard.recv() => vec![Heard::Gap],
+                        received = messages.recv() => match received {
+                            Ok(message) => match decode(&message.value) {
+                                Some(batch) => batch.into_iter().map(Heard::Message).collect(),
+                                None => continue,
+                            },
+                            Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {
+                                vec![Heard::Gap]
+                            }
+                            Err(tokio::sync::broadcast::error::RecvError::Closed) => return None,
+                        },
+                    };
+                    return Some((heard, (messages, gaps_heard, guard)));
                 }
-            })
-            .flat_map(futures_util::stream::iter)
-            .boxed();
+            },
+        )
+        .flat_map(futures_util::stream::iter)
+        .boxed();
         Ok(stream)
     }
 }
@@ -826,7 +835,7 @@ impl FleetStore for RedisFleet {
         self.announce(messages).boxed()
     }
 
-    fn subscribe(&self) -> BoxFuture<'_, BackendResult<BoxStream<'static, FleetMessage>>> {
+    fn subscribe(&self) -> BoxFuture<'_, BackendResult<BoxStream<'static, Heard>>> {
         self.subscribe().boxed()
     }
 }
