@@ -20,7 +20,8 @@
 //! reconnects). While a flush is in flight, or the store fails, writes wait (progress samples
 //! of one session coalesce), at most [`MAX_PENDING`]; beyond that the oldest are dropped and
 //! logged. A flush that takes longer than [`FLUSH_TIMEOUT`] counts as failed. The announcements
-//! of failed writes are sent again once the writes are stored, and later ones wait behind them.
+//! of failed writes are sent again once the writes are stored (connects only of streams still
+//! open).
 //! Draining: nothing changes until [`Farewell`]: the last writes are flushed and the instance
 //! says it stops, so its devices show offline at once instead of after `presence.ttl`.
 
@@ -156,7 +157,7 @@ pub struct Fleet {
     pending_messages: Vec<FleetMessage>,
     /// Announcements of writes that failed, in order: announced again once the writes are
     /// stored (the first may have been lost with the channel, and a pod that read the store
-    /// before the writes landed would never hear of them). Later announcements wait behind them.
+    /// before the writes landed would never hear of them), but for connects of ended streams.
     unstored_messages: Vec<FleetMessage>,
     flushing: bool,
     local: HashMap<DeviceId, Local>,
@@ -591,7 +592,8 @@ impl Fleet {
         self.flushing = true;
         let writes = std::mem::take(&mut self.pending_writes);
         let unstored = std::mem::take(&mut self.unstored_messages);
-        let mut messages = std::mem::take(&mut self.pending_messages);
+        let messages = std::mem::take(&mut self.pending_messages);
+        let replay = self.replayable(&unstored);
         let store = self.store.clone();
         let work = async move {
             let write = async {
@@ -615,51 +617,59 @@ impl Fleet {
                     }
                 }
             };
-            if unstored.is_empty() {
-                // Announced at the same time as the writes, not after them: takeovers on other
-                // pods wait for the announcement only.
-                let (written, announced) = futures_util::join!(write, announce(messages.clone()));
-                return (writes, messages, written, announced);
-            }
-            // Earlier writes failed: their announcements go again once the writes are stored,
-            // and this flush's after them, keeping the order.
-            let mut all = unstored;
-            all.append(&mut messages);
-            let written = write.await;
-            let announced = match written {
-                Ok(()) => announce(all.clone()).await,
+            // Announced at the same time as the writes, not after them: takeovers on other pods
+            // wait for the announcement only, also while the writes fail.
+            let (written, announced) = futures_util::join!(write, announce(messages.clone()));
+            // Earlier writes failed: once stored, their announcements go again.
+            let replayed = match written {
+                Ok(()) => announce(replay).await,
                 Err(_) => Ok(()),
             };
-            (writes, all, written, announced)
+            (writes, unstored, messages, written, announced.and(replayed))
         };
-        ctx.spawn(
-            work.into_actor(self)
-                .map(|(writes, messages, written, announced), fleet, _| {
-                    fleet.flushing = false;
-                    if let Err(error) = written {
-                        log::warn!(
-                            "presence: {} writes failed, kept for the next flush: {}",
-                            writes.len(),
-                            Report(&error)
-                        );
-                        let mut kept = writes;
-                        kept.append(&mut fleet.pending_writes);
-                        fleet.pending_writes = kept;
-                        fleet.unstored_messages = messages;
-                        let excess = fleet.unstored_messages.len().saturating_sub(MAX_PENDING);
-                        if excess > 0 {
-                            log::warn!(
-                                "presence: {excess} announcements dropped: the store is away"
-                            );
-                            fleet.unstored_messages.drain(..excess);
-                        }
-                    } else if let Err(error) = announced {
-                        // Other pods miss these changes until they read the store again (after a
-                        // gap in their channel) or liveness decides (ttl).
-                        log::warn!("presence: announcements lost: {}", Report(&error));
+        ctx.spawn(work.into_actor(self).map(
+            |(writes, mut unstored, mut messages, written, announced), fleet, _| {
+                fleet.flushing = false;
+                if let Err(error) = written {
+                    log::warn!(
+                        "presence: {} writes failed, kept for the next flush: {}",
+                        writes.len(),
+                        Report(&error)
+                    );
+                    let mut kept = writes;
+                    kept.append(&mut fleet.pending_writes);
+                    fleet.pending_writes = kept;
+                    unstored.append(&mut messages);
+                    let excess = unstored.len().saturating_sub(MAX_PENDING);
+                    if excess > 0 {
+                        log::warn!("presence: {excess} announcements dropped: the store is away");
+                        unstored.drain(..excess);
                     }
-                }),
-        );
+                    fleet.unstored_messages = unstored;
+                } else if let Err(error) = announced {
+                    // Other pods miss these changes until they read the store again (after a
+                    // gap in their channel) or liveness decides (ttl).
+                    log::warn!("presence: announcements lost: {}", Report(&error));
+                }
+            },
+        ));
+    }
+
+    /// What of `unstored` to announce again once the writes are stored: connects of streams
+    /// that have ended since are not (a stale connect heard after the device's newer one on
+    /// another pod would take that one over); their ends are.
+    fn replayable(&self, unstored: &[FleetMessage]) -> Vec<FleetMessage> {
+        unstored
+            .iter()
+            .filter(|message| match message {
+                FleetMessage::Connected(session) => self
+                    .local
+                    .get(&session.device)
+                    .is_some_and(|local| local.session.is(session)),
+                _ => true,
+            })
+            .cloned()
+            .collect()
     }
 
     fn beat(&self, stopping: bool) -> impl std::future::Future<Output = ()> + 'static {
@@ -690,7 +700,7 @@ impl Fleet {
                     // What was announced before (at start) or while away (after the
                     // subscription ended) is not on the channel: take the devices online from
                     // the store.
-                    fleet.load_online(ctx);
+                    fleet.load_online(ctx, true);
                 }
                 Err(error) => {
                     log::warn!(
@@ -704,12 +714,14 @@ impl Fleet {
     }
 
     /// Brings the view in line with the devices the store says are online: adds those not
-    /// known, ends those it no longer lists (a goodbye lost with the channel), except devices
-    /// with fresher news (heard within [`NEWS_FRESH`] before the load began, or during it) and
-    /// this instance's own, which it knows better than the store. What the first load finds
+    /// known, ends those it no longer lists (a goodbye lost with the channel) where the listing
+    /// shows their instance alive, except devices with fresher news (heard within
+    /// [`NEWS_FRESH`] before the load began, or during it) and this instance's own, which it
+    /// knows better than the store. What the first load finds
     /// was online before this pod heard of it: only later loads (after a gap in the channel)
-    /// report what they find.
-    fn load_online(&mut self, ctx: &mut Context<Self>) {
+    /// report what they find. A device left out for its fresh news is read again once that
+    /// news is no longer fresh (`follow_up`: once per gap, not again after that second read).
+    fn load_online(&mut self, ctx: &mut Context<Self>, follow_up: bool) {
         if self.loading.is_some() {
             self.load_again = true;
             return;
@@ -736,10 +748,12 @@ impl Fleet {
             fleet.loading = None;
             match loaded {
                 Ok(records) => {
-                    fleet.take_online(records, started);
+                    let left_out_fresh = fleet.take_online(records, started);
                     fleet.loaded = true;
                     if std::mem::take(&mut fleet.load_again) {
-                        fleet.load_online(ctx);
+                        fleet.load_online(ctx, true);
+                    } else if left_out_fresh && follow_up {
+                        ctx.run_later(NEWS_FRESH, |fleet, ctx| fleet.load_online(ctx, false));
                     }
                 }
                 Err(error) => {
@@ -749,14 +763,16 @@ impl Fleet {
                         Report(&error)
                     );
                     fleet.load_again = false;
-                    ctx.run_later(RELOAD_RETRY, |fleet, ctx| fleet.load_online(ctx));
+                    ctx.run_later(RELOAD_RETRY, move |fleet, ctx| {
+                        fleet.load_online(ctx, follow_up)
+                    });
                 }
             }
         }));
     }
 
-    /// See [`Fleet::load_online`].
-    fn take_online(&mut self, records: Vec<DeviceRecord>, started: Instant) {
+    /// See [`Fleet::load_online`]. Answers whether it left a device out for its fresh news (worth reading again later).
+    fn take_online(&mut self, records: Vec<DeviceRecord>, started: Instant) -> bool {
         let fresh_since = started.checked_sub(NEWS_FRESH).unwrap_or(started);
         let fresh: HashSet<&DeviceId> = self
             .news
@@ -771,18 +787,31 @@ impl Fleet {
             .iter()
             .map(|record| known_better(&record.device, &record.instance))
             .collect();
+        let left_out_fresh = records
+            .iter()
+            .any(|record| fresh.contains(&record.device) && record.instance != self.instance);
         let listed: HashSet<DeviceId> =
             records.iter().map(|record| record.device.clone()).collect();
-        let ended: Vec<DeviceId> = self
-            .view
+        // A device is listed only while the store has a recent beat of its instance: after an
+        // outage longer than a beat's period, or a store that lost its data, a live pod's devices
+        // are missing for that reason alone. So only the absent devices of an instance the
+        // listing shows alive are ended; a dead instance's are left to `ttl`.
+        let alive_in_store: HashSet<&str> = records
             .iter()
-            .filter(|(device, seen)| {
-                seen.open
-                    && !listed.contains(*device)
-                    && !known_better(device, &seen.session.instance)
-            })
-            .map(|(device, _)| device.clone())
+            .map(|record| record.instance.as_str())
             .collect();
+        let mut ended = Vec::new();
+        let mut left_out_fresh = left_out_fresh;
+        for (device, seen) in &self.view {
+            if !seen.open || listed.contains(device) || seen.session.instance == self.instance {
+                continue;
+            }
+            if fresh.contains(device) {
+                left_out_fresh = true;
+            } else if alive_in_store.contains(seen.session.instance.as_str()) {
+                ended.push(device.clone());
+            }
+        }
         let now = Instant::now();
         self.recount_online = true;
         // Online before this pod heard of it: nothing to report, unless the first load is done.
@@ -791,7 +820,15 @@ impl Fleet {
             if skip {
                 continue;
             }
-            self.hear_of_instance(&record.instance, now);
+            // Known instances keep what this pod heard of them (a load must not bring back one
+            // it found silent); others are new to it.
+            self.instances
+                .entry(record.instance.clone())
+                .or_insert(InstanceSeen {
+                    last_heard: now,
+                    said_goodbye: false,
+                    silent: false,
+                });
             let session = Session {
                 device: record.device.clone(),
                 pod: record.pod,
@@ -828,6 +865,7 @@ impl Fleet {
             }
             self.due.push_back((now, device));
         }
+        left_out_fresh
     }
 }
 
@@ -884,7 +922,7 @@ impl StreamHandler<Heard> for Fleet {
                 log::info!(
                     "fleet channel: messages may have been lost, reading the devices online"
                 );
-                self.load_online(ctx);
+                self.load_online(ctx, true);
             }
         }
     }
@@ -912,7 +950,8 @@ impl Handler<Farewell> for Fleet {
 
     fn handle(&mut self, _: Farewell, _: &mut Context<Self>) -> Self::Result {
         let writes = std::mem::take(&mut self.pending_writes);
-        let mut messages = std::mem::take(&mut self.unstored_messages);
+        let unstored = std::mem::take(&mut self.unstored_messages);
+        let mut messages = self.replayable(&unstored);
         messages.append(&mut self.pending_messages);
         let store = self.store.clone();
         let goodbye = self.beat(true);
@@ -1225,8 +1264,7 @@ mod tests {
     }
 
     /// Changes whose writes failed are announced again once the writes land, in their order,
-    /// and what the pod announces meanwhile waits behind them (a Disconnected heard before the
-    /// Connected it ends would leave the device online on every other pod).
+    /// but for connects of streams that have ended since.
     #[actix::test]
     async fn announcements_of_failed_writes_go_again_in_order_once_stored() {
         let settings = FleetSettings {
@@ -1283,7 +1321,7 @@ mod tests {
 
         let mut changes = Vec::new();
         let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
-        while changes.len() < 4 {
+        while changes.len() < 3 {
             let next = tokio::time::timeout_at(deadline, heard.next()).await;
             let heard = match next.unwrap_or_else(|_| panic!("after the outage: only {changes:?}"))
             {
@@ -1300,11 +1338,112 @@ mod tests {
                 _ => {}
             }
         }
-        assert_eq!(changes, ["+dev-1", "-dev-1", "+dev-2", "+dev-3"]);
+        // dev-1's connect is not announced again: its stream has ended since. dev-3's goes
+        // at once, beside the replay.
+        changes.retain(|change| change != "+dev-3");
+        assert_eq!(changes, ["-dev-1", "+dev-2"]);
         let dev = |name: &str| DeviceId::parse(name).unwrap();
         let record = store.inner.device(&dev("dev-1")).await.unwrap().unwrap();
         assert!(!record.online, "dev-1's end is stored");
         let record = store.inner.device(&dev("dev-2")).await.unwrap().unwrap();
         assert!(record.online, "dev-2's connect is stored");
+    }
+
+    fn record(device: &str, instance: &str, session: u64) -> DeviceRecord {
+        DeviceRecord {
+            device: DeviceId::parse(device).unwrap(),
+            online: true,
+            pod: format!("pod-{instance}"),
+            instance: instance.into(),
+            session,
+            connected_ms: 1_000 + session,
+            last_seen_ms: 2_000,
+            remote: String::new(),
+            user_agent: String::new(),
+            last_sent: None,
+            acked: None,
+            acked_ms: None,
+        }
+    }
+
+    fn remote_session(device: &str, instance: &str, session: u64) -> Session {
+        let record = record(device, instance, session);
+        Session {
+            device: record.device,
+            pod: record.pod,
+            instance: record.instance,
+            session: record.session,
+            connected_ms: record.connected_ms,
+            remote: record.remote,
+            user_agent: record.user_agent,
+        }
+    }
+
+    /// What a read of the devices online after a gap changes in the view, and what it leaves.
+    #[actix::test]
+    async fn a_read_after_a_gap_repairs_the_view_where_the_store_can_tell() {
+        let mut fleet = fleet();
+        fleet.loaded = true;
+        let now = Instant::now();
+        let old = now - NEWS_FRESH * 2;
+        for (device, instance) in [("gone", "b"), ("dead-pod", "c"), ("fresh", "b")] {
+            fleet.view.insert(
+                DeviceId::parse(device).unwrap(),
+                Seen {
+                    session: remote_session(device, instance, 1),
+                    open: true,
+                    reported: true,
+                },
+            );
+        }
+        open(&mut fleet, "mine", 7);
+        fleet.news.clear();
+        fleet
+            .news
+            .push_back((old, DeviceId::parse("gone").unwrap()));
+        fleet
+            .news
+            .push_back((now, DeviceId::parse("fresh").unwrap()));
+        fleet.due.clear();
+
+        // The store lists a device this pod never heard of on b, none of c's (its beat is stale
+        // in the store), not "gone" nor "fresh", and not this pod's own stream.
+        let left_out_fresh = fleet.take_online(vec![record("new", "b", 2)], now);
+
+        assert!(left_out_fresh, "fresh news is read again later");
+        let seen = |fleet: &Fleet, device: &str| {
+            let seen = fleet.view.get(&DeviceId::parse(device).unwrap());
+            seen.map(|seen| (seen.open, seen.reported))
+        };
+        assert_eq!(
+            seen(&fleet, "gone"),
+            Some((false, true)),
+            "b is alive: ended"
+        );
+        assert_eq!(
+            seen(&fleet, "dead-pod"),
+            Some((true, true)),
+            "c is not in the listing: left to ttl"
+        );
+        assert_eq!(
+            seen(&fleet, "fresh"),
+            Some((true, true)),
+            "its news is newer"
+        );
+        assert_eq!(
+            seen(&fleet, "mine"),
+            Some((true, false)),
+            "its own, as it was"
+        );
+        assert_eq!(
+            seen(&fleet, "new"),
+            Some((true, false)),
+            "to be reported after the first load"
+        );
+
+        // At start-up, what the store lists was online before: nothing to report.
+        let mut starting = super::tests::fleet();
+        starting.take_online(vec![record("new", "b", 2)], Instant::now());
+        assert_eq!(seen(&starting, "new"), Some((true, true)));
     }
 }

@@ -48,16 +48,16 @@ pub struct NatsFileError {
 /// prove who it is, before it connects.
 pub struct NatsAccess {
     options: ConnectOptions,
-    connections: watch::Receiver<u64>,
+    interruptions: watch::Receiver<u64>,
 }
 
-/// A connected client, and how many times it has connected so far (the first connection
-/// included): a subscriber that sees the count change knows its link dropped and came back,
-/// and that what was published meanwhile did not reach it (async-nats subscribes again by
-/// itself, silently).
+/// A connected client, and how many times so far it has connected (the first connection
+/// included) or dropped messages of a slow subscription: a subscriber that sees the count
+/// change knows that what was published meanwhile may not have reached it (after a reconnect
+/// async-nats subscribes again by itself, silently).
 pub(super) struct Connected {
     pub client: async_nats::Client,
-    pub connections: watch::Receiver<u64>,
+    pub interruptions: watch::Receiver<u64>,
 }
 
 impl std::fmt::Debug for NatsAccess {
@@ -70,7 +70,7 @@ impl std::fmt::Debug for NatsAccess {
 impl NatsAccess {
     /// Reads and checks the files of `nats` (and the credentials inside its URLs).
     pub fn load(nats: &NatsConfig) -> Result<NatsAccess, NatsFileError> {
-        let (counter, connections) = watch::channel(0u64);
+        let (counter, interruptions) = watch::channel(0u64);
         let counter = std::sync::Arc::new(counter);
         let options = ConnectOptions::new()
             .name("posthorn")
@@ -85,6 +85,11 @@ impl NatsAccess {
                             log::info!("nats: connected");
                             counter.send_modify(|count| *count += 1);
                         }
+                        // The client dropped messages of a subscription that fell behind.
+                        async_nats::Event::SlowConsumer(_) => {
+                            log::warn!("nats: {event}");
+                            counter.send_modify(|count| *count += 1);
+                        }
                         other => log::warn!("nats: {other}"),
                     }
                 }
@@ -93,7 +98,7 @@ impl NatsAccess {
         let options = credentials(options, nats)?;
         Ok(NatsAccess {
             options,
-            connections,
+            interruptions,
         })
     }
 }
@@ -104,7 +109,7 @@ pub(super) async fn connect(nats: &NatsConfig, access: NatsAccess) -> BackendRes
     let servers = server_addrs(&nats.url)?;
     let NatsAccess {
         options,
-        connections,
+        interruptions,
     } = access;
     let shown: Vec<String> = nats
         .url
@@ -131,7 +136,7 @@ pub(super) async fn connect(nats: &NatsConfig, access: NatsAccess) -> BackendRes
     })?;
     Ok(Connected {
         client,
-        connections,
+        interruptions,
     })
 }
 

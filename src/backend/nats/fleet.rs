@@ -32,13 +32,13 @@ use async_nats::jetstream::{
     consumer::{pull, AckPolicy, DeliverPolicy},
     kv::{self, UpdateErrorKind},
     message::StreamMessage,
-    stream::{LastRawMessageError, LastRawMessageErrorKind},
+    stream::LastRawMessageError,
 };
 use bytes::Bytes;
 use futures_util::{future::BoxFuture, stream::BoxStream, FutureExt, StreamExt};
 use serde::{Deserialize, Serialize};
 
-use super::{unavailable, Inner};
+use super::{found, unavailable, Inner};
 use crate::{
     backend::{
         fleet::{
@@ -79,8 +79,9 @@ struct Beat {
 
 pub struct NatsFleet {
     client: async_nats::Client,
-    /// How many times the client has connected: a change is a gap in the channel.
-    connections: tokio::sync::watch::Receiver<u64>,
+    /// How many times the client has connected or dropped a slow subscriber's messages: a
+    /// change is a gap in the channel.
+    interruptions: tokio::sync::watch::Receiver<u64>,
     jetstream: jetstream::Context,
     devices: kv::Store,
     pods: kv::Store,
@@ -128,15 +129,13 @@ impl Leader {
     /// The latest entry of `key`, `None` if it has none.
     async fn last(bucket: &kv::Store, key: &str) -> Result<Option<Leader>, LastRawMessageError> {
         let subject = format!("{}{key}", bucket.prefix);
-        match bucket
-            .stream
-            .get_last_raw_message_by_subject(&subject)
-            .await
-        {
-            Ok(message) => Ok(Some(Leader::of(message))),
-            Err(error) if error.kind() == LastRawMessageErrorKind::NoMessageFound => Ok(None),
-            Err(error) => Err(error),
-        }
+        let last = found(
+            bucket
+                .stream
+                .get_last_raw_message_by_subject(&subject)
+                .await,
+        )?;
+        Ok(last.map(Leader::of))
     }
 
     /// The entry of `key` at `revision`, `None` if that revision is gone or of another key.
@@ -146,12 +145,10 @@ impl Leader {
         revision: u64,
     ) -> Result<Option<Leader>, LastRawMessageError> {
         let subject = format!("{}{key}", bucket.prefix);
-        match bucket.stream.get_raw_message(revision).await {
-            Ok(message) if message.subject.as_str() == subject => Ok(Some(Leader::of(message))),
-            Ok(_) => Ok(None),
-            Err(error) if error.kind() == LastRawMessageErrorKind::NoMessageFound => Ok(None),
-            Err(error) => Err(error),
-        }
+        let entry = found(bucket.stream.get_raw_message(revision).await)?;
+        Ok(entry
+            .filter(|message| message.subject.as_str() == subject)
+            .map(Leader::of))
     }
 
     fn of(message: StreamMessage) -> Leader {
@@ -207,7 +204,7 @@ impl NatsFleet {
         let broadcasts = open(bucket("broadcasts", "posthorn fleet: broadcast copies")).await?;
         let fleet = Self {
             client: inner.client.clone(),
-            connections: inner.connections.clone(),
+            interruptions: inner.interruptions.clone(),
             jetstream: inner.jetstream.clone(),
             devices,
             pods,
@@ -619,11 +616,12 @@ impl NatsFleet {
     }
 
     /// A core subscription: the client subscribes again by itself after a reconnection, which
-    /// the stream reports as a gap.
+    /// the stream reports as a gap, as it does when the client dropped messages of a subscriber
+    /// that fell behind.
     async fn subscribe(&self) -> BackendResult<BoxStream<'static, Heard>> {
-        // Taken before the SUB: a reconnection from here on is a gap (at worst one too many).
-        let mut connections = self.connections.clone();
-        connections.borrow_and_update();
+        // Taken before the SUB: an interruption from here on is a gap (at worst one too many).
+        let mut interruptions = self.interruptions.clone();
+        interruptions.borrow_and_update();
         let subscriber = self
             .client
             .subscribe(self.subject.clone())
@@ -639,12 +637,12 @@ impl NatsFleet {
             .await
             .map_err(|error| unavailable("fleet channel", error))?;
         let stream = futures_util::stream::unfold(
-            (subscriber, connections),
-            |(mut subscriber, mut connections)| async move {
+            (subscriber, interruptions),
+            |(mut subscriber, mut interruptions)| async move {
                 loop {
                     let heard: Vec<Heard> = tokio::select! {
-                        Ok(()) = connections.changed() => {
-                            connections.borrow_and_update();
+                        Ok(()) = interruptions.changed() => {
+                            interruptions.borrow_and_update();
                             vec![Heard::Gap]
                         }
                         message = subscriber.next() => {
@@ -659,7 +657,7 @@ impl NatsFleet {
                             }
                         }
                     };
-                    return Some((heard, (subscriber, connections)));
+                    return Some((heard, (subscriber, interruptions)));
                 }
             },
         );

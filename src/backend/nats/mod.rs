@@ -127,13 +127,26 @@ struct Inner {
     layout: Layout,
     settings: NatsSettings,
     client: async_nats::Client,
-    /// How many times `client` has connected (see [`connect::Connected`]).
-    connections: tokio::sync::watch::Receiver<u64>,
+    /// How many times `client` has connected or dropped a slow subscriber's messages (see
+    /// [`connect::Connected`]).
+    interruptions: tokio::sync::watch::Receiver<u64>,
     jetstream: jetstream::Context,
     /// The stream's epoch as last seen; stamped on the cursors of appends.
     epoch: Mutex<Epoch>,
     /// Since when the stream is known to be gone, until it is created again.
     missing_since: Mutex<Option<Instant>>,
+}
+
+/// A message read from a stream's leader (`STREAM.MSG.GET`), `None` where the stream has no
+/// such message: "not found" is an answer, not a failure.
+fn found(
+    read: Result<jetstream::message::StreamMessage, stream::LastRawMessageError>,
+) -> Result<Option<jetstream::message::StreamMessage>, stream::LastRawMessageError> {
+    match read {
+        Ok(message) => Ok(Some(message)),
+        Err(error) if error.kind() == LastRawMessageErrorKind::NoMessageFound => Ok(None),
+        Err(error) => Err(error),
+    }
 }
 
 fn unavailable(
@@ -151,7 +164,7 @@ impl NatsBackend {
     pub async fn connect(settings: NatsSettings, access: NatsAccess) -> BackendResult<Self> {
         let connect::Connected {
             client,
-            connections,
+            interruptions,
         } = connect::connect(&settings.nats, access).await?;
         let jetstream = jetstream::ContextBuilder::new()
             .timeout(REQUEST_TIMEOUT)
@@ -161,7 +174,7 @@ impl NatsBackend {
             layout,
             settings,
             client,
-            connections,
+            interruptions,
             jetstream,
             // Replaced below, before anything reads it.
             epoch: Mutex::new(layout::epoch_of(0)),
@@ -680,18 +693,18 @@ impl Inner {
     /// The highest sequence that may have been removed from `shard` (the module doc says how).
     /// The sequence of the shard's last entry, from the stream leader (`None`: it has none).
     async fn last_of_shard(&self, shard: u32) -> BackendResult<Option<u64>> {
-        match self
+        let stream = self
             .jetstream
             .get_stream_no_info(&self.layout.stream)
             .await
-            .map_err(|error| unavailable("stream", error))?
-            .get_last_raw_message_by_subject(&self.layout.subject(shard))
-            .await
-        {
-            Ok(message) => Ok(Some(message.sequence)),
-            Err(error) if error.kind() == LastRawMessageErrorKind::NoMessageFound => Ok(None),
-            Err(error) => Err(unavailable("last message of a shard", error)),
-        }
+            .map_err(|error| unavailable("stream", error))?;
+        let last = found(
+            stream
+                .get_last_raw_message_by_subject(&self.layout.subject(shard))
+                .await,
+        )
+        .map_err(|error| unavailable("last message of a shard", error))?;
+        Ok(last.map(|message| message.sequence))
     }
 
     async fn trimmed_through(&self, shard: u32, state: &StreamState) -> BackendResult<u64> {
@@ -699,20 +712,18 @@ impl Inner {
             match Removed::of(state.first_sequence, state.last_sequence, state.messages) {
                 Removed::Through(sequence) => sequence,
                 Removed::Interior { front, last } => {
-                    let first_of_shard = match self
+                    let stream = self
                         .jetstream
                         .get_stream_no_info(&self.layout.stream)
                         .await
-                        .map_err(|error| unavailable("stream", error))?
-                        .get_first_raw_message_by_subject(self.layout.subject(shard), front + 1)
-                        .await
-                    {
-                        Ok(message) => Some(message.sequence),
-                        Err(error) if error.kind() == LastRawMessageErrorKind::NoMessageFound => {
-                            None
-                        }
-                        Err(error) => return Err(unavailable("first message of a shard", error)),
-                    };
+                        .map_err(|error| unavailable("stream", error))?;
+                    let first_of_shard = found(
+                        stream
+                            .get_first_raw_message_by_subject(self.layout.subject(shard), front + 1)
+                            .await,
+                    )
+                    .map_err(|error| unavailable("first message of a shard", error))?
+                    .map(|message| message.sequence);
                     Removed::shard_through(front, last, first_of_shard)
                 }
             },

@@ -15,11 +15,11 @@
 use async_nats::jetstream::{
     self,
     context::PublishErrorKind,
-    stream::{self, DiscardPolicy, LastRawMessageErrorKind, RetentionPolicy, StorageType},
+    stream::{self, DiscardPolicy, RetentionPolicy, StorageType},
 };
 use bytes::Bytes;
 
-use super::{layout::Layout, unavailable, NatsSettings};
+use super::{found, layout::Layout, unavailable, NatsSettings};
 use crate::{
     backend::{BackendError, BackendResult, SupersedeKey},
     model::{Epoch, Position},
@@ -100,11 +100,9 @@ async fn last(
         .get_stream_no_info(stream_name(layout))
         .await
         .map_err(|error| unavailable("supersede index", error))?;
-    match stream.get_last_raw_message_by_subject(subject).await {
-        Ok(message) => Ok(Some((message.sequence, message.payload))),
-        Err(error) if error.kind() == LastRawMessageErrorKind::NoMessageFound => Ok(None),
-        Err(error) => Err(unavailable("supersede index read", error)),
-    }
+    let last = found(stream.get_last_raw_message_by_subject(subject).await)
+        .map_err(|error| unavailable("supersede index read", error))?;
+    Ok(last.map(|message| (message.sequence, message.payload)))
 }
 
 /// Records `position` (life `epoch`) as the newest of `key` on `shard`, unless a newer one of

@@ -37,6 +37,9 @@ use crate::{
     report::Report,
 };
 
+/// Channel messages (one per flush of a pod) the subscriber may fall behind by.
+const SUBSCRIBER_BACKLOG: usize = 4096;
+
 /// Applies presence changes to device hashes (all of one slot). KEYS: the device hashes.
 /// ARGV: retention (ms), change count, race window (ms), then 10 per change: key index, kind
 /// (`on`, `off`, `sent`), instance, session, pod, connected_ms, remote, user agent, ended at
@@ -509,9 +512,13 @@ impl RedisFleet {
         // answer could be taken for it and lost).
         let mut config = self.client.client_config();
         config.version = fred::types::RespVersion::RESP3;
+        // fred keeps 32 messages for a subscriber by default; more than that while the Fleet is
+        // busy is a gap, which costs every pod a read of the devices online.
+        let mut performance = self.client.perf_config();
+        performance.broadcast_channel_capacity = SUBSCRIBER_BACKLOG;
         let subscriber = Client::new(
             config,
-            Some(self.client.perf_config()),
+            Some(performance),
             Some(self.client.connection_config().clone()),
             self.client.client_reconnect_policy(),
         );
