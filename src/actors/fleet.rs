@@ -155,10 +155,10 @@ pub struct Fleet {
     pending_writes: Vec<PresenceWrite>,
     /// Announcements for the next flush, in order.
     pending_messages: Vec<FleetMessage>,
-    /// Announcements of writes that failed, in order: announced again once the writes are
-    /// stored (the first may have been lost with the channel, and a pod that read the store
-    /// before the writes landed would never hear of them), but for connects of ended streams.
-    unstored_messages: Vec<FleetMessage>,
+    /// The last flush's writes failed: once they are stored, their announcements go again
+    /// (the first may have been lost with the channel, and a pod that read the store before the
+    /// writes landed would never hear of them), but for connects of ended streams.
+    replay_writes: bool,
     flushing: bool,
     local: HashMap<DeviceId, Local>,
     /// The local streams (device, connection), visited a slice per tick for their progress
@@ -210,7 +210,7 @@ impl Fleet {
             instance,
             pending_writes: Vec::new(),
             pending_messages: Vec::new(),
-            unstored_messages: Vec::new(),
+            replay_writes: false,
             flushing: false,
             local: HashMap::new(),
             // A retention under 20 s needs its refreshes sooner than every 5 s.
@@ -583,17 +583,13 @@ impl Fleet {
 
     fn flush(&mut self, ctx: &mut Context<Self>) {
         self.bound_pending();
-        let idle = self.pending_writes.is_empty()
-            && self.pending_messages.is_empty()
-            && self.unstored_messages.is_empty();
-        if self.flushing || idle {
+        if self.flushing || (self.pending_writes.is_empty() && self.pending_messages.is_empty()) {
             return;
         }
         self.flushing = true;
         let writes = std::mem::take(&mut self.pending_writes);
-        let unstored = std::mem::take(&mut self.unstored_messages);
         let messages = std::mem::take(&mut self.pending_messages);
-        let replay = self.replayable(&unstored);
+        let replay = self.replay_of(&writes);
         let store = self.store.clone();
         let work = async move {
             let write = async {
@@ -619,56 +615,59 @@ impl Fleet {
             };
             // Announced at the same time as the writes, not after them: takeovers on other pods
             // wait for the announcement only, also while the writes fail.
-            let (written, announced) = futures_util::join!(write, announce(messages.clone()));
+            let (written, announced) = futures_util::join!(write, announce(messages));
             // Earlier writes failed: once stored, their announcements go again.
             let replayed = match written {
                 Ok(()) => announce(replay).await,
                 Err(_) => Ok(()),
             };
-            (writes, unstored, messages, written, announced.and(replayed))
+            (writes, written, announced.and(replayed))
         };
-        ctx.spawn(work.into_actor(self).map(
-            |(writes, mut unstored, mut messages, written, announced), fleet, _| {
-                fleet.flushing = false;
-                if let Err(error) = written {
-                    log::warn!(
-                        "presence: {} writes failed, kept for the next flush: {}",
-                        writes.len(),
-                        Report(&error)
-                    );
-                    let mut kept = writes;
-                    kept.append(&mut fleet.pending_writes);
-                    fleet.pending_writes = kept;
-                    unstored.append(&mut messages);
-                    let excess = unstored.len().saturating_sub(MAX_PENDING);
-                    if excess > 0 {
-                        log::warn!("presence: {excess} announcements dropped: the store is away");
-                        unstored.drain(..excess);
+        ctx.spawn(
+            work.into_actor(self)
+                .map(|(writes, written, announced), fleet, _| {
+                    fleet.flushing = false;
+                    fleet.replay_writes = written.is_err();
+                    if let Err(error) = written {
+                        log::warn!(
+                            "presence: {} writes failed, kept for the next flush: {}",
+                            writes.len(),
+                            Report(&error)
+                        );
+                        let mut kept = writes;
+                        kept.append(&mut fleet.pending_writes);
+                        fleet.pending_writes = kept;
+                    } else if let Err(error) = announced {
+                        // Other pods miss these changes until they read the store again (after a
+                        // gap in their channel) or liveness decides (ttl).
+                        log::warn!("presence: announcements lost: {}", Report(&error));
                     }
-                    fleet.unstored_messages = unstored;
-                } else if let Err(error) = announced {
-                    // Other pods miss these changes until they read the store again (after a
-                    // gap in their channel) or liveness decides (ttl).
-                    log::warn!("presence: announcements lost: {}", Report(&error));
-                }
-            },
-        ));
+                }),
+        );
     }
 
-    /// What of `unstored` to announce again once the writes are stored: connects of streams
-    /// that have ended since are not (a stale connect heard after the device's newer one on
-    /// another pod would take that one over); their ends are.
-    fn replayable(&self, unstored: &[FleetMessage]) -> Vec<FleetMessage> {
-        unstored
+    /// The announcements of `writes` to send again once they are stored, if an earlier flush
+    /// of them failed ([`Fleet::replay_writes`]): the ends, and the connects of streams still
+    /// open (a stale connect heard after the device's newer one on another pod would take that
+    /// one over).
+    fn replay_of(&self, writes: &[PresenceWrite]) -> Vec<FleetMessage> {
+        if !self.replay_writes {
+            return Vec::new();
+        }
+        writes
             .iter()
-            .filter(|message| match message {
-                FleetMessage::Connected(session) => self
+            .filter_map(|write| match write {
+                PresenceWrite::Online(session) => self
                     .local
                     .get(&session.device)
-                    .is_some_and(|local| local.session.is(session)),
-                _ => true,
+                    .is_some_and(|local| local.session.is(session))
+                    .then(|| FleetMessage::Connected(session.clone())),
+                PresenceWrite::Offline { session, at_ms, .. } => Some(FleetMessage::Disconnected {
+                    session: session.clone(),
+                    at_ms: *at_ms,
+                }),
+                PresenceWrite::Sent { .. } => None,
             })
-            .cloned()
             .collect()
     }
 
@@ -717,10 +716,10 @@ impl Fleet {
     /// known, ends those it no longer lists (a goodbye lost with the channel) where the listing
     /// shows their instance alive, except devices with fresher news (heard within
     /// [`NEWS_FRESH`] before the load began, or during it) and this instance's own, which it
-    /// knows better than the store. What the first load finds
-    /// was online before this pod heard of it: only later loads (after a gap in the channel)
-    /// report what they find. A device left out for its fresh news is read again once that
-    /// news is no longer fresh (`follow_up`: once per gap, not again after that second read).
+    /// knows better than the store. What the first load finds was online before this pod heard
+    /// of it: only later loads (after a gap in the channel) report what they find. A device left
+    /// out for its fresh news is read again once that news is no longer fresh (`follow_up`: once
+    /// per gap, not again after that second read).
     fn load_online(&mut self, ctx: &mut Context<Self>, follow_up: bool) {
         if self.loading.is_some() {
             self.load_again = true;
@@ -771,27 +770,17 @@ impl Fleet {
         }));
     }
 
-    /// See [`Fleet::load_online`]. Answers whether it left a device out for its fresh news (worth reading again later).
+    /// See [`Fleet::load_online`]. Answers whether it left out a device for its fresh news.
     fn take_online(&mut self, records: Vec<DeviceRecord>, started: Instant) -> bool {
         let fresh_since = started.checked_sub(NEWS_FRESH).unwrap_or(started);
-        let fresh: HashSet<&DeviceId> = self
+        let fresh: HashSet<DeviceId> = self
             .news
             .iter()
             .rev()
             .take_while(|(at, _)| *at >= fresh_since)
-            .map(|(_, device)| device)
+            .map(|(_, device)| device.clone())
             .collect();
-        let known_better =
-            |device: &DeviceId, instance: &str| fresh.contains(device) || instance == self.instance;
-        let skipped: Vec<bool> = records
-            .iter()
-            .map(|record| known_better(&record.device, &record.instance))
-            .collect();
-        let left_out_fresh = records
-            .iter()
-            .any(|record| fresh.contains(&record.device) && record.instance != self.instance);
-        let listed: HashSet<DeviceId> =
-            records.iter().map(|record| record.device.clone()).collect();
+        let listed: HashSet<&DeviceId> = records.iter().map(|record| &record.device).collect();
         // A device is listed only while the store has a recent beat of its instance: after an
         // outage longer than a beat's period, or a store that lost its data, a live pod's devices
         // are missing for that reason alone. So only the absent devices of an instance the
@@ -800,8 +789,8 @@ impl Fleet {
             .iter()
             .map(|record| record.instance.as_str())
             .collect();
+        let mut left_out_fresh = false;
         let mut ended = Vec::new();
-        let mut left_out_fresh = left_out_fresh;
         for (device, seen) in &self.view {
             if !seen.open || listed.contains(device) || seen.session.instance == self.instance {
                 continue;
@@ -812,32 +801,32 @@ impl Fleet {
                 ended.push(device.clone());
             }
         }
+        // This pod knows its own streams, and fresher news, better than the store.
+        let taken: Vec<Session> = records
+            .into_iter()
+            .filter(|record| record.instance != self.instance)
+            .filter(|record| {
+                let is_fresh = fresh.contains(&record.device);
+                left_out_fresh |= is_fresh;
+                !is_fresh
+            })
+            .map(DeviceRecord::into_session)
+            .collect();
+
         let now = Instant::now();
         self.recount_online = true;
         // Online before this pod heard of it: nothing to report, unless the first load is done.
         let reported = !self.loaded;
-        for (record, skip) in records.into_iter().zip(skipped) {
-            if skip {
-                continue;
-            }
+        for session in taken {
             // Known instances keep what this pod heard of them (a load must not bring back one
             // it found silent); others are new to it.
             self.instances
-                .entry(record.instance.clone())
+                .entry(session.instance.clone())
                 .or_insert(InstanceSeen {
                     last_heard: now,
                     said_goodbye: false,
                     silent: false,
                 });
-            let session = Session {
-                device: record.device.clone(),
-                pod: record.pod,
-                instance: record.instance,
-                session: record.session,
-                connected_ms: record.connected_ms,
-                remote: record.remote,
-                user_agent: record.user_agent,
-            };
             // A connect this pod did not hear of: takeover, as if it had.
             if self
                 .local
@@ -846,8 +835,9 @@ impl Fleet {
             {
                 self.close_older(&session);
             }
+            let device = session.device.clone();
             self.view
-                .entry(record.device.clone())
+                .entry(device.clone())
                 .and_modify(|seen| {
                     seen.session = session.clone();
                     seen.open = true;
@@ -857,7 +847,7 @@ impl Fleet {
                     open: true,
                     reported,
                 });
-            self.due.push_back((now, record.device));
+            self.due.push_back((now, device));
         }
         for device in ended {
             if let Some(seen) = self.view.get_mut(&device) {
@@ -950,8 +940,7 @@ impl Handler<Farewell> for Fleet {
 
     fn handle(&mut self, _: Farewell, _: &mut Context<Self>) -> Self::Result {
         let writes = std::mem::take(&mut self.pending_writes);
-        let unstored = std::mem::take(&mut self.unstored_messages);
-        let mut messages = self.replayable(&unstored);
+        let mut messages = self.replay_of(&writes);
         messages.append(&mut self.pending_messages);
         let store = self.store.clone();
         let goodbye = self.beat(true);
@@ -1366,19 +1355,6 @@ mod tests {
         }
     }
 
-    fn remote_session(device: &str, instance: &str, session: u64) -> Session {
-        let record = record(device, instance, session);
-        Session {
-            device: record.device,
-            pod: record.pod,
-            instance: record.instance,
-            session: record.session,
-            connected_ms: record.connected_ms,
-            remote: record.remote,
-            user_agent: record.user_agent,
-        }
-    }
-
     /// What a read of the devices online after a gap changes in the view, and what it leaves.
     #[actix::test]
     async fn a_read_after_a_gap_repairs_the_view_where_the_store_can_tell() {
@@ -1390,7 +1366,7 @@ mod tests {
             fleet.view.insert(
                 DeviceId::parse(device).unwrap(),
                 Seen {
-                    session: remote_session(device, instance, 1),
+                    session: record(device, instance, 1).into_session(),
                     open: true,
                     reported: true,
                 },

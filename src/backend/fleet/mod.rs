@@ -119,6 +119,21 @@ pub struct DeviceRecord {
     pub acked_ms: Option<u64>,
 }
 
+impl DeviceRecord {
+    /// The session the record names.
+    pub fn into_session(self) -> Session {
+        Session {
+            device: self.device,
+            pod: self.pod,
+            instance: self.instance,
+            session: self.session,
+            connected_ms: self.connected_ms,
+            remote: self.remote,
+            user_agent: self.user_agent,
+        }
+    }
+}
+
 /// Which devices a listing returns.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum OnlineFilter {
