@@ -525,14 +525,15 @@ impl Fleet {
             else {
                 return false;
             };
-            // A newer session of the device on another pod (this stream is being closed by the
-            // takeover) must not lose its record to a refresh of this one.
-            let superseded = view
-                .get(device)
-                .is_some_and(|seen| !seen.session.is(&local.session));
             // The record before the sample: a record the store lost is written again whole,
-            // then the sample lands on it.
-            if !superseded && now.saturating_duration_since(local.refreshed) >= *refresh_every {
+            // then the sample lands on it. But a newer session of the device on another pod
+            // (this stream is being closed by the takeover) must not lose its record to a
+            // refresh of this one. (Looked up only when due: a sample is most visits.)
+            if now.saturating_duration_since(local.refreshed) >= *refresh_every
+                && view
+                    .get(device)
+                    .is_none_or(|seen| seen.session.is(&local.session))
+            {
                 local.refreshed = now;
                 pending_writes.push(PresenceWrite::Online(local.session.clone()));
             }

@@ -6,7 +6,8 @@
 //! `stream/membership.rs`); [`RouteBatch`] from StreamTails (its
 //! bounded mailbox is the tails' backpressure); [`Snapshot`] from Shutdown and the
 //! status page.
-//! Sends: events and pings by `try_send` into connection queues (never a wait, never a mailbox);
+//! Sends: events and pings into connection queues (`QueueSender::offer`: never a wait, never a
+//! mailbox; the bodies' wakes go to their workers in batches, `stream/queue.rs`);
 //! [`Close`] to a Connection whose queue overflowed (`SlowConsumer`) or that a newer connection of
 //! the same device replaced (`Takeover`).
 //! Backpressure: a full queue is a slow client, evicted at once. So is a client whose queue has
@@ -38,7 +39,7 @@ use crate::{
     sse::QueueItem,
     stream::{
         Change, Close, DrainTarget, Membership, QueueWatch, Register, Route, TrySendError,
-        Unregister, Waiting,
+        Unregister, Waiting, WakeBatch,
     },
 };
 
@@ -146,12 +147,19 @@ impl Router {
         }
     }
 
-    /// Queues `item`; a full or closed queue removes the route (and evicts on full).
-    fn offer(&mut self, shard: u32, device: &DeviceId, item: QueueItem) -> RouteResult {
+    /// Queues `item`; a full or closed queue removes the route (and evicts on full). The body's
+    /// wake goes into `wakes`, done by its worker once the batch is handed over.
+    fn offer(
+        &mut self,
+        shard: u32,
+        device: &DeviceId,
+        item: QueueItem,
+        wakes: &mut WakeBatch,
+    ) -> RouteResult {
         let Some(route) = self.shards[shard as usize].get(device) else {
             return RouteResult::NotConnected;
         };
-        match route.queue.try_send(item) {
+        match route.queue.offer(item, wakes) {
             Ok(()) => RouteResult::Delivered,
             Err(TrySendError::Full) => {
                 self.evict(shard, device);
@@ -166,12 +174,12 @@ impl Router {
 
     /// Queues `item` (made anew per connection: a clone of shared bytes) on every connection of
     /// `shard`.
-    fn offer_to_shard(&mut self, shard: u32, item: impl Fn() -> QueueItem) {
+    fn offer_to_shard(&mut self, shard: u32, item: impl Fn() -> QueueItem, wakes: &mut WakeBatch) {
         let mut delivered = 0;
         let mut overflowed = Vec::new();
         let mut closed = Vec::new();
         for (device, route) in &self.shards[shard as usize] {
-            match route.queue.try_send(item()) {
+            match route.queue.offer(item(), wakes) {
                 Ok(()) => delivered += 1,
                 Err(TrySendError::Full) => overflowed.push(device.clone()),
                 Err(TrySendError::Closed) => closed.push(device.clone()),
@@ -251,11 +259,12 @@ impl Router {
     /// heartbeats (docs/http-api.md, Heartbeats).
     fn ping_slice(&mut self, index: usize, now: Instant) {
         let quiet_enough = self.rotation.period() / 2;
+        let mut wakes = WakeBatch::default();
         self.sweep(index, |route| {
             if route.progress.quiet_for(now) < quiet_enough {
                 return Verdict::Keep;
             }
-            match route.queue.try_send(QueueItem::Ping) {
+            match route.queue.offer(QueueItem::Ping, &mut wakes) {
                 Ok(()) => Verdict::Keep,
                 Err(TrySendError::Full) => Verdict::Evict,
                 Err(TrySendError::Closed) => Verdict::Remove,
@@ -312,13 +321,19 @@ impl Handler<RouteBatch> for Router {
     type Result = ();
 
     fn handle(&mut self, batch: RouteBatch, _: &mut Context<Self>) {
+        // Dropped at the end: every wake owed is handed to its worker.
+        let mut wakes = WakeBatch::default();
         for resync in &batch.resyncs {
-            self.offer_to_shard(resync.shard, || QueueItem::Resync {
-                epoch: resync.epoch,
-                position: resync.position,
-                reason: resync.reason,
-                frame: resync.frame.clone(),
-            });
+            self.offer_to_shard(
+                resync.shard,
+                || QueueItem::Resync {
+                    epoch: resync.epoch,
+                    position: resync.position,
+                    reason: resync.reason,
+                    frame: resync.frame.clone(),
+                },
+                &mut wakes,
+            );
         }
         for RoutedEvent {
             shard,
@@ -337,15 +352,19 @@ impl Handler<RouteBatch> for Router {
                         appended_ms,
                         frame,
                     };
-                    let result = self.offer(shard, &device, item);
+                    let result = self.offer(shard, &device, item, &mut wakes);
                     self.metrics.routed(result, 1);
                 }
-                Target::Broadcast => self.offer_to_shard(shard, || QueueItem::Event {
-                    epoch,
-                    position,
-                    appended_ms,
-                    frame: frame.clone(),
-                }),
+                Target::Broadcast => self.offer_to_shard(
+                    shard,
+                    || QueueItem::Event {
+                        epoch,
+                        position,
+                        appended_ms,
+                        frame: frame.clone(),
+                    },
+                    &mut wakes,
+                ),
             }
         }
     }

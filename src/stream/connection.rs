@@ -158,7 +158,7 @@ impl Connection {
             opener.metrics.clone(),
             opener.pod.clone(),
         );
-        let (queue, live) = queue::channel(stream.queue_limit);
+        let (queue, live) = queue::channel_on(stream.queue_limit, Some(opener.worker_wakes()));
         let (resume, replay) = match stream.cursor {
             Some(cursor) => {
                 let (tx, rx) = mpsc::channel(REPLAY_BUFFER);

@@ -17,7 +17,7 @@ mod control;
 mod membership;
 pub mod queue;
 
-use std::{rc::Rc, sync::Arc};
+use std::{cell::OnceCell, rc::Rc, sync::Arc};
 
 use actix::Recipient;
 
@@ -26,11 +26,12 @@ pub use connection::{AnnounceRetry, BodyDropped, Close, DrainTarget, OpenStream}
 pub use control::ConnectionSocket;
 use control::StreamControl as ConnectionControl;
 pub use membership::{Change, Membership, Register, RouterGone, Unregister};
-pub use queue::{QueueSender, QueueWatch, TrySendError, Waiting};
+pub use queue::{QueueSender, QueueWatch, TrySendError, Waiting, WakeBatch};
 
 use crate::{metrics::Metrics, model::CloseReason, pod::PodState, replay::Replayer};
 use connection::Connection;
 use membership::Outbox;
+use queue::WorkerWakes;
 
 /// What the Router keeps of a stream: its queue, and its controls for a takeover or a drain.
 pub struct Route {
@@ -92,6 +93,9 @@ impl Progress {
 /// worker builds its own (see `membership.rs`).
 pub struct StreamOpener {
     outbox: Rc<Outbox>,
+    /// Where the Router's wakes of this worker's bodies go (`queue.rs`); started with the
+    /// first stream, inside the worker's event loop.
+    wakes: OnceCell<Arc<WorkerWakes>>,
     replayer: Arc<Replayer>,
     metrics: Arc<Metrics>,
     pod: Arc<PodState>,
@@ -106,6 +110,7 @@ impl StreamOpener {
     ) -> Self {
         Self {
             outbox: Outbox::new(router),
+            wakes: OnceCell::new(),
             replayer,
             metrics,
             pod,
@@ -118,6 +123,10 @@ impl StreamOpener {
     /// the stream gives it back when it ends, also when this fails.
     pub async fn open(&self, stream: OpenStream) -> Result<(SseBody, CloseHandle), RouterGone> {
         Connection::open(stream, self).await
+    }
+
+    fn worker_wakes(&self) -> Arc<WorkerWakes> {
+        self.wakes.get_or_init(WorkerWakes::start).clone()
     }
 }
 
