@@ -8,7 +8,9 @@
 //! subscribers of `GET /v1/fleet/events`.
 //! Receives: [`SessionChanges`] from the Router (one message per batch of joins and leaves); the
 //! channel's [`FleetMessage`]s from every pod, this one included, and its gaps (messages may have
-//! been lost: the devices online are read from the store again, and what changed is reported);
+//! been lost: the devices online are read from the store again, and what changed is reported;
+//! the store may have lost its records too, so this pod's open sessions are written again over
+//! one sampling round);
 //! [`SubscribeEvents`] from the HTTP edge; [`Farewell`] from the hub once the HTTP server has
 //! stopped.
 //! Sends: presence writes and announcements to the store, in batches every [`FLUSH_EVERY`]
@@ -124,6 +126,9 @@ struct Local {
     sampled: Instant,
     /// When its session's record was last queued for writing (see [`REFRESH_AT_MOST`]).
     refreshed: Instant,
+    /// The store may have lost its record (the channel had a gap): written again whole, with
+    /// the last sent id, at the next visit.
+    write_again: bool,
 }
 
 /// One device in this pod's view of the fleet.
@@ -274,6 +279,7 @@ impl Fleet {
                         written: 0,
                         sampled: Instant::now(),
                         refreshed: Instant::now(),
+                        write_again: false,
                     },
                 );
                 self.pending_writes
@@ -529,7 +535,8 @@ impl Fleet {
             // then the sample lands on it. But a newer session of the device on another pod
             // (this stream is being closed by the takeover) must not lose its record to a
             // refresh of this one. (Looked up only when due: a sample is most visits.)
-            if now.saturating_duration_since(local.refreshed) >= *refresh_every
+            let write_again = std::mem::take(&mut local.write_again);
+            if (write_again || now.saturating_duration_since(local.refreshed) >= *refresh_every)
                 && view
                     .get(device)
                     .is_none_or(|seen| seen.session.is(&local.session))
@@ -537,12 +544,14 @@ impl Fleet {
                 local.refreshed = now;
                 pending_writes.push(PresenceWrite::Online(local.session.clone()));
             }
-            if now.saturating_duration_since(local.sampled) + period < PROGRESS_EVERY {
+            if !write_again
+                && now.saturating_duration_since(local.sampled) + period < PROGRESS_EVERY
+            {
                 return true;
             }
             local.sampled = now;
             let (last_sent, changes) = local.progress.last_sent();
-            if changes != local.written {
+            if write_again || changes != local.written {
                 local.written = changes;
                 if let Some(last_sent) = last_sent {
                     let session = SessionRef {
@@ -555,6 +564,19 @@ impl Fleet {
             }
             true
         });
+    }
+
+    /// After a gap in the channel: the store may have lost what it had (a Redis restarted
+    /// without persistence, a failover that dropped writes, a nats-server that lost its store
+    /// directory), and its clients reconnected, which is the gap. Records of the streams open
+    /// here are written again over the next sampling round (the refresh's path, spread like it;
+    /// the caller beats at once), so that its devices are online again within one round instead
+    /// of at their next refresh (up to an hour). In a store that kept everything these writes
+    /// only refresh the records.
+    fn write_local_again(&mut self) {
+        for local in self.local.values_mut() {
+            local.write_again = true;
+        }
     }
 
     /// Keeps the pending writes within [`MAX_PENDING`]: progress samples superseded by a later
@@ -914,6 +936,8 @@ impl StreamHandler<Heard> for Fleet {
                     "fleet channel: messages may have been lost, reading the devices online"
                 );
                 self.load_online(ctx, true);
+                self.write_local_again();
+                ctx.spawn(self.beat(false).into_actor(self));
             }
         }
     }
@@ -1142,6 +1166,40 @@ mod tests {
         // Refreshed once per `refresh_every`, not at every visit.
         fleet.sample_slice(later + PROGRESS_EVERY);
         assert!(fleet.pending_writes.is_empty());
+    }
+
+    #[actix::test]
+    async fn after_a_gap_every_open_session_is_written_again_with_its_last_sent_id() {
+        let mut fleet = fleet();
+        let streams: Vec<Progress> = (0..300)
+            .map(|n| open(&mut fleet, &format!("dev-{n:04}"), n))
+            .collect();
+        for (n, progress) in streams.iter().enumerate().skip(1) {
+            progress.sent(&crate::sse::frame::event(&format!("e1.0.{n}-0"), "m", "x"));
+        }
+        let now = Instant::now();
+        one_round(&mut fleet, now);
+        fleet.pending_writes.clear();
+        assert!(one_round(&mut fleet, now).0.is_empty(), "nothing is due");
+
+        fleet.write_local_again();
+        let (writes, largest) = one_round(&mut fleet, now);
+        let online: Vec<u64> = writes
+            .iter()
+            .filter_map(|write| match write {
+                PresenceWrite::Online(session) => Some(session.session),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(online.len(), 300, "every open session once");
+        let sent = samples(writes);
+        assert_eq!(sent.len(), 299, "every stream that was sent something");
+        assert_eq!(sent[0], ("dev-0001".into(), 1, "e1.0.1-0".into()));
+        assert!(largest <= 2 * 300_usize.div_ceil(fleet.sampling.slices()));
+        assert!(
+            one_round(&mut fleet, now).0.is_empty(),
+            "written again once"
+        );
     }
 
     #[actix::test]

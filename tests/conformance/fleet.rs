@@ -857,3 +857,37 @@ pub async fn a_drained_pods_devices_go_offline_at_once(env: &mut Env) {
     let offline = next_fleet_event(&mut events, "pos-drain", Duration::from_secs(10)).await;
     assert_eq!(offline.event, "device.offline");
 }
+
+/// The store restarts empty under a running pod (Redis without persistence, nats-server without
+/// its store directory): the records of the devices still connected are gone. The pod hears the
+/// gap in its channel and writes those sessions again, so within one sampling round (5 s) the
+/// device is online again with what it was last sent, long before the pod's periodic refresh
+/// (`presence.retention / 4`) would have rewritten it.
+pub async fn a_store_restarted_empty_hears_again_of_the_connected_devices(env: &mut Env) {
+    if !env.part(
+        "presence after the store restarted empty",
+        &[Fault::RestartLosingDataUnderTheHub],
+    ) {
+        return;
+    }
+    let mut hub = pod(env, "pod-a", "30s", DEBOUNCE).await;
+    let mut stream = stream_of(&hub, "pos-kept", &[]).await;
+    presence_until(&hub, "pos-kept", WAIT, "online", |r| r["online"] == true).await;
+
+    env.restart_losing_data(&mut hub).await;
+    crate::env::wait_for_readiness(&hub, 200, WAIT).await;
+    // A loss of the event data too: the stream hears of it (a `resync`), then goes on.
+    let last = publish_to(&hub, "pos-kept", "after the restart").await;
+    loop {
+        let event = stream.expect_event(WAIT).await;
+        if event.id.as_deref() == Some(last.as_str()) {
+            break;
+        }
+        assert_eq!(event.event, "resync", "{event:?}");
+    }
+    let record = presence_until(&hub, "pos-kept", WAIT, "online again", |r| {
+        r["online"] == true && r["last_sent_id"] == last.as_str()
+    })
+    .await;
+    assert_eq!(record["pod"], "pod-a", "{record}");
+}

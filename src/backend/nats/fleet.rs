@@ -5,7 +5,7 @@
 //! - **Buckets.** `{stream}_devices` (one JSON record per device, max age = retention),
 //!   `{stream}_pods` (one entry per instance: its last beat, max age = retention) and
 //!   `{stream}_broadcasts` (the copies of a broadcast, max age = retention). Created or updated
-//!   at start-up. A key is read from the bucket's stream leader (`STREAM.MSG.GET`), never by
+//!   at start-up, and created again when a failed request finds one gone. A key is read from the bucket's stream leader (`STREAM.MSG.GET`), never by
 //!   direct get, which a replica that has not applied the last write may answer: a pod reads
 //!   back what it or any other pod just wrote (the clock probe, compare-and-set, the API).
 //!   Listings read through an ephemeral consumer, which the server may place on a replica: a
@@ -23,8 +23,11 @@
 
 use std::{
     collections::BTreeMap,
-    sync::atomic::{AtomicI64, AtomicU64, Ordering},
-    time::Duration,
+    sync::{
+        atomic::{AtomicI64, AtomicU64, Ordering},
+        Mutex,
+    },
+    time::{Duration, Instant},
 };
 
 use async_nats::jetstream::{
@@ -38,7 +41,7 @@ use bytes::Bytes;
 use futures_util::{future::BoxFuture, stream::BoxStream, FutureExt, StreamExt};
 use serde::{Deserialize, Serialize};
 
-use super::{found, unavailable, Inner};
+use super::{found, is_not_found, unavailable, Inner, RECREATE_AFTER};
 use crate::{
     backend::{
         fleet::{
@@ -88,6 +91,10 @@ pub struct NatsFleet {
     broadcasts: kv::Store,
     devices_stream: String,
     pods_stream: String,
+    /// The buckets' streams as created at start-up, to create again when they are gone.
+    bucket_streams: Vec<jetstream::stream::Config>,
+    /// Since when a bucket's stream has been found gone.
+    missing_since: Mutex<Option<Instant>>,
     subject: String,
     settings: FleetSettings,
     /// The server's clock minus ours (ms), as measured at the last beat.
@@ -199,9 +206,14 @@ impl NatsFleet {
                     .map_err(|error| unavailable(&format!("bucket {bucket}"), error))
             }
         };
-        let devices = open(bucket("devices", "posthorn fleet: device records")).await?;
-        let pods = open(bucket("pods", "posthorn fleet: beats of pod instances")).await?;
-        let broadcasts = open(bucket("broadcasts", "posthorn fleet: broadcast copies")).await?;
+        let bucket_streams = vec![
+            bucket("devices", "posthorn fleet: device records"),
+            bucket("pods", "posthorn fleet: beats of pod instances"),
+            bucket("broadcasts", "posthorn fleet: broadcast copies"),
+        ];
+        let devices = open(bucket_streams[0].clone()).await?;
+        let pods = open(bucket_streams[1].clone()).await?;
+        let broadcasts = open(bucket_streams[2].clone()).await?;
         let fleet = Self {
             client: inner.client.clone(),
             interruptions: inner.interruptions.clone(),
@@ -211,6 +223,8 @@ impl NatsFleet {
             broadcasts,
             devices_stream: format!("KV_{stream}_devices"),
             pods_stream: format!("KV_{stream}_pods"),
+            bucket_streams,
+            missing_since: Mutex::new(None),
             subject: format!("{}.fleet.pods", inner.layout.prefix),
             settings,
             offset_ms: AtomicI64::new(0),
@@ -218,6 +232,70 @@ impl NatsFleet {
         };
         fleet.measure_clock().await?;
         Ok(fleet)
+    }
+
+    /// After a failed request: a bucket's stream may be gone (a nats-server that restarted
+    /// without its store directory, a bucket deleted by hand), and then every later request
+    /// would fail too. The missing ones are created again, [`RECREATE_AFTER`] after they were
+    /// first found gone, as the event stream is (nats-server 2.9 removes a deleted stream's
+    /// files in the background). Their records are lost; the pods write those of their open
+    /// streams again when their channel comes back (`actors::fleet`).
+    async fn restore_buckets(&self) {
+        // Away from the server (an outage) nothing can be found out, only waited for.
+        if self.client.connection_state() != async_nats::connection::State::Connected {
+            return;
+        }
+        let mut missing = Vec::new();
+        for config in &self.bucket_streams {
+            match self.jetstream.get_stream(&config.name).await {
+                Err(error) if is_not_found(&error) => missing.push(config),
+                // Found, or the server cannot tell now: nothing to do here.
+                _ => {}
+            }
+        }
+        let since = {
+            let mut since = self
+                .missing_since
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner());
+            if missing.is_empty() {
+                *since = None;
+                return;
+            }
+            *since.get_or_insert_with(|| {
+                log::warn!(
+                    "nats: fleet bucket streams gone ({}): their records are lost; creating them \
+                     again in {}s",
+                    missing
+                        .iter()
+                        .map(|config| config.name.as_str())
+                        .collect::<Vec<_>>()
+                        .join(", "),
+                    RECREATE_AFTER.as_secs()
+                );
+                Instant::now()
+            })
+        };
+        if since.elapsed() < RECREATE_AFTER {
+            return;
+        }
+        for config in missing {
+            match self.jetstream.create_or_update_stream(config.clone()).await {
+                Ok(_) => log::info!("nats: fleet bucket stream {} created again", config.name),
+                Err(error) => log::warn!(
+                    "nats: cannot create fleet bucket stream {} again: {error}",
+                    config.name
+                ),
+            }
+        }
+    }
+
+    /// `result`, after [`NatsFleet::restore_buckets`] if it is a failure.
+    async fn restoring<T>(&self, result: BackendResult<T>) -> BackendResult<T> {
+        if result.is_err() {
+            self.restore_buckets().await;
+        }
+        result
     }
 
     /// Waves of requests so far: a batch of presence writes is two (reads, then writes).
@@ -724,17 +802,21 @@ fn apply(record: &mut Option<Stored>, change: &PresenceWrite) -> bool {
 
 impl FleetStore for NatsFleet {
     fn write(&self, changes: Vec<PresenceWrite>) -> BoxFuture<'_, BackendResult<()>> {
-        self.write(changes).boxed()
+        async move { self.restoring(self.write(changes).await).await }.boxed()
     }
 
     fn beat(&self, pod: &str, instance: &str, stopping: bool) -> BoxFuture<'_, BackendResult<()>> {
         let (pod, instance) = (pod.to_owned(), instance.to_owned());
-        async move { self.beat(&pod, &instance, stopping).await }.boxed()
+        async move {
+            self.restoring(self.beat(&pod, &instance, stopping).await)
+                .await
+        }
+        .boxed()
     }
 
     fn device(&self, device: &DeviceId) -> BoxFuture<'_, BackendResult<Option<DeviceRecord>>> {
         let device = device.clone();
-        async move { self.device(&device).await }.boxed()
+        async move { self.restoring(self.device(&device).await).await }.boxed()
     }
 
     fn list(
@@ -744,7 +826,11 @@ impl FleetStore for NatsFleet {
         cursor: Option<&str>,
     ) -> BoxFuture<'_, BackendResult<DevicePage>> {
         let cursor = cursor.map(str::to_owned);
-        async move { self.list(filter, limit, cursor.as_deref()).await }.boxed()
+        async move {
+            self.restoring(self.list(filter, limit, cursor.as_deref()).await)
+                .await
+        }
+        .boxed()
     }
 
     fn ack(
@@ -754,16 +840,20 @@ impl FleetStore for NatsFleet {
         at_ms: u64,
     ) -> BoxFuture<'_, BackendResult<AckOutcome>> {
         let (device, cursor) = (device.clone(), cursor.clone());
-        async move { self.ack(&device, &cursor, at_ms).await }.boxed()
+        async move {
+            self.restoring(self.ack(&device, &cursor, at_ms).await)
+                .await
+        }
+        .boxed()
     }
 
     fn record_broadcast(&self, copies: Vec<Cursor>) -> BoxFuture<'_, BackendResult<()>> {
-        self.record_broadcast(copies).boxed()
+        async move { self.restoring(self.record_broadcast(copies).await).await }.boxed()
     }
 
     fn broadcast_copies(&self, id: &Cursor) -> BoxFuture<'_, BackendResult<Option<Vec<Cursor>>>> {
         let id = id.clone();
-        async move { self.broadcast_copies(&id).await }.boxed()
+        async move { self.restoring(self.broadcast_copies(&id).await).await }.boxed()
     }
 
     fn announce(&self, messages: Vec<FleetMessage>) -> BoxFuture<'_, BackendResult<()>> {
@@ -771,7 +861,7 @@ impl FleetStore for NatsFleet {
     }
 
     fn subscribe(&self) -> BoxFuture<'_, BackendResult<BoxStream<'static, Heard>>> {
-        self.subscribe().boxed()
+        async move { self.restoring(self.subscribe().await).await }.boxed()
     }
 }
 
