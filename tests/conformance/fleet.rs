@@ -891,3 +891,55 @@ pub async fn a_store_restarted_empty_hears_again_of_the_connected_devices(env: &
     .await;
     assert_eq!(record["pod"], "pod-a", "{record}");
 }
+
+/// A pod drained while its store is away: its clients are told when to come back and closed
+/// within the drain's grace, and the pod exits cleanly soon after, although its last presence
+/// writes and its goodbye cannot be stored (the farewell gives up after 3 s). Once the store is
+/// back the device is offline for the other pods: its pod's beats stopped, so liveness ends it.
+pub async fn a_pod_drained_while_its_store_is_away_exits_in_time(env: &mut Env) {
+    if !env.part(
+        "a pod drained during an outage",
+        &[Fault::Outage, Fault::SharedStore],
+    ) {
+        return;
+    }
+    let mut a = env
+        .hub()
+        .env("POSTHORN_PRESENCE__POD_NAME", "pod-a")
+        .env("POSTHORN_PRESENCE__TTL", SHORT_TTL)
+        .env("POSTHORN_DRAIN__READINESS_DELAY", "0s")
+        .env("POSTHORN_DRAIN__GRACE", "5s")
+        .env("POSTHORN_DRAIN__RETRY_MIN", "1s")
+        .env("POSTHORN_DRAIN__RETRY_MAX", "2s")
+        .start()
+        .await;
+    let mut stream = stream_of(&a, "pos-dark-drain", &[]).await;
+    presence_until(&a, "pos-dark-drain", WAIT, "online", |r| {
+        r["online"] == true
+    })
+    .await;
+
+    env.outage_begin().await;
+    crate::env::wait_for_readiness(&a, 503, WAIT).await;
+    let drained = tokio::time::Instant::now();
+    a.signal("TERM");
+    stream.read_to_close(Duration::from_secs(10)).await;
+    let retry = stream.retry.expect("a retry before the close");
+    assert!((1000..=2000).contains(&retry), "retry {retry}");
+    let status = a.wait_exit(WAIT).await.expect("the drained pod exits");
+    assert!(status.success(), "{status}");
+    // The grace (5 s) and the farewell's limit (3 s), with a margin for a loaded machine.
+    assert!(
+        drained.elapsed() < Duration::from_secs(13),
+        "exited only after {:?}",
+        drained.elapsed()
+    );
+
+    env.outage_end().await;
+    let b = pod(env, "pod-b", SHORT_TTL, DEBOUNCE).await;
+    let record = presence_until(&b, "pos-dark-drain", WAIT, "offline", |r| {
+        r["online"] == false
+    })
+    .await;
+    assert_eq!(record["pod"], "pod-a", "{record}");
+}

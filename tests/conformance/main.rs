@@ -201,6 +201,7 @@ conformance! {
     fleet::a_drained_pods_devices_go_offline_at_once,
     fleet::changes_during_an_outage_reach_other_pods_fleet_events,
     fleet::a_store_restarted_empty_hears_again_of_the_connected_devices,
+    fleet::a_pod_drained_while_its_store_is_away_exits_in_time,
     order::live_events_arrive_in_order_as_published,
     order::a_broadcast_reaches_every_shard_once,
     order::a_tail_starts_at_now,
