@@ -24,8 +24,10 @@
 //! logged. A flush that takes longer than [`FLUSH_TIMEOUT`] counts as failed. The announcements
 //! of failed writes are sent again once the writes are stored (connects only of streams still
 //! open).
-//! Draining: nothing changes until [`Farewell`]: the last writes are flushed and the instance
-//! says it stops, so its devices show offline at once instead of after `presence.ttl`.
+//! Draining: nothing changes until [`Farewell`]: it waits for a flush in flight (at most
+//! [`FAREWELL_FLUSH_WAIT`]), writes what is pending, and the instance says it stops, so its
+//! devices show offline at once instead of after `presence.ttl`; no timer flushes or beats after
+//! it.
 
 use std::{
     collections::{HashMap, HashSet, VecDeque},
@@ -35,7 +37,6 @@ use std::{
 
 use actix::prelude::*;
 use bytes::Bytes;
-use futures_util::FutureExt;
 use tokio::sync::mpsc;
 
 use super::{rotation::Rotation, router::CloseOlder};
@@ -58,6 +59,8 @@ use crate::{
 const FLUSH_EVERY: Duration = Duration::from_millis(100);
 /// A flush not done by then has failed (its writes are kept for the next).
 const FLUSH_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long the farewell waits for a flush in flight (the hub gives the farewell 3 s in all).
+const FAREWELL_FLUSH_WAIT: Duration = Duration::from_secs(1);
 /// Writes kept while a flush is in flight or the store is unreachable.
 const MAX_PENDING: usize = 200_000;
 /// News of a device heard this long before the devices online are read from the store is newer
@@ -165,6 +168,11 @@ pub struct Fleet {
     /// writes landed would never hear of them), but for connects of ended streams.
     replay_writes: bool,
     flushing: bool,
+    /// Notified at the end of every flush: the farewell waits for the one in flight.
+    flushed: Arc<tokio::sync::Notify>,
+    /// The farewell has begun: no more flushes or beats of the timers (one landing after the
+    /// goodbye would say this instance is alive again).
+    leaving: bool,
     local: HashMap<DeviceId, Local>,
     /// The local streams (device, connection), visited a slice per tick for their progress
     /// samples and session refreshes; a member whose stream is gone leaves at its visit.
@@ -217,6 +225,8 @@ impl Fleet {
             pending_messages: Vec::new(),
             replay_writes: false,
             flushing: false,
+            flushed: Arc::new(tokio::sync::Notify::new()),
+            leaving: false,
             local: HashMap::new(),
             // A retention under 20 s needs its refreshes sooner than every 5 s.
             sampling: Rotation::new(PROGRESS_EVERY.min(refresh_every)),
@@ -606,7 +616,10 @@ impl Fleet {
 
     fn flush(&mut self, ctx: &mut Context<Self>) {
         self.bound_pending();
-        if self.flushing || (self.pending_writes.is_empty() && self.pending_messages.is_empty()) {
+        if self.leaving
+            || self.flushing
+            || (self.pending_writes.is_empty() && self.pending_messages.is_empty())
+        {
             return;
         }
         self.flushing = true;
@@ -665,6 +678,7 @@ impl Fleet {
                         // gap in their channel) or liveness decides (ttl).
                         log::warn!("presence: announcements lost: {}", Report(&error));
                     }
+                    fleet.flushed.notify_waiters();
                 }),
         );
     }
@@ -904,7 +918,9 @@ impl Actor for Fleet {
         self.subscribe(ctx);
         ctx.spawn(self.beat(false).into_actor(self));
         ctx.run_interval(self.config.ttl / 3, |fleet, ctx| {
-            ctx.spawn(fleet.beat(false).into_actor(fleet));
+            if !fleet.leaving {
+                ctx.spawn(fleet.beat(false).into_actor(fleet));
+            }
         });
         ctx.run_interval(FLUSH_EVERY, |fleet, ctx| fleet.flush(ctx));
         ctx.run_interval(EVALUATE_EVERY, |fleet, _| fleet.evaluate());
@@ -937,7 +953,9 @@ impl StreamHandler<Heard> for Fleet {
                 );
                 self.load_online(ctx, true);
                 self.write_local_again();
-                ctx.spawn(self.beat(false).into_actor(self));
+                if !self.leaving {
+                    ctx.spawn(self.beat(false).into_actor(self));
+                }
             }
         }
     }
@@ -964,12 +982,22 @@ impl Handler<Farewell> for Fleet {
     type Result = ResponseActFuture<Self, ()>;
 
     fn handle(&mut self, _: Farewell, _: &mut Context<Self>) -> Self::Result {
-        let writes = std::mem::take(&mut self.pending_writes);
-        let mut messages = self.replay_of(&writes);
-        messages.append(&mut self.pending_messages);
-        let store = self.store.clone();
-        let goodbye = self.beat(true);
-        Box::pin(
+        self.leaving = true;
+        // A flush in flight may carry the exact ends of the streams the drain just closed; if it
+        // fails, they are pending again once it is done. So it is waited for, briefly: the hub
+        // gives the whole farewell 3 s, and the goodbye must still go.
+        let in_flight = self.flushing.then(|| self.flushed.clone().notified_owned());
+        let flush_done = async move {
+            if let Some(flushed) = in_flight {
+                let _ = tokio::time::timeout(FAREWELL_FLUSH_WAIT, flushed).await;
+            }
+        };
+        Box::pin(flush_done.into_actor(self).then(|(), fleet, _| {
+            let writes = std::mem::take(&mut fleet.pending_writes);
+            let mut messages = fleet.replay_of(&writes);
+            messages.append(&mut fleet.pending_messages);
+            let store = fleet.store.clone();
+            let goodbye = fleet.beat(true);
             async move {
                 if !writes.is_empty() {
                     if let Err(error) = store.write(writes).await {
@@ -981,9 +1009,8 @@ impl Handler<Farewell> for Fleet {
                 }
                 goodbye.await;
             }
-            .boxed_local()
-            .into_actor(self),
-        )
+            .into_actor(fleet)
+        }))
     }
 }
 
@@ -994,7 +1021,7 @@ mod tests {
         fleet::{memory::MemoryFleet, AckOutcome, DevicePage, FleetSettings},
         BackendResult,
     };
-    use futures_util::{future::BoxFuture, stream::BoxStream, StreamExt};
+    use futures_util::{future::BoxFuture, stream::BoxStream, FutureExt, StreamExt};
 
     struct NoRouter;
 
@@ -1245,13 +1272,28 @@ mod tests {
     }
 
     /// A memory store whose writes fail while `away`, and whose announcements are then lost
-    /// (as with a client that takes a publish while disconnected as sent).
+    /// (as with a client that takes a publish while disconnected as sent). While `stuck`, a
+    /// write waits for `release`, then fails (a flush in flight when the store went away).
     struct Flaky {
         inner: MemoryFleet,
         away: std::sync::atomic::AtomicBool,
+        stuck: std::sync::atomic::AtomicBool,
+        release: tokio::sync::Notify,
     }
 
     impl Flaky {
+        fn new(away: bool) -> Self {
+            Self {
+                inner: MemoryFleet::new(FleetSettings {
+                    ttl: Duration::from_secs(30),
+                    retention: Duration::from_secs(3600),
+                }),
+                away: away.into(),
+                stuck: false.into(),
+                release: tokio::sync::Notify::new(),
+            }
+        }
+
         fn away(&self) -> bool {
             self.away.load(std::sync::atomic::Ordering::SeqCst)
         }
@@ -1259,6 +1301,14 @@ mod tests {
 
     impl FleetStore for Flaky {
         fn write(&self, changes: Vec<PresenceWrite>) -> BoxFuture<'_, BackendResult<()>> {
+            if self.stuck.load(std::sync::atomic::Ordering::SeqCst) {
+                let released = self.release.notified();
+                return async move {
+                    released.await;
+                    Err(BackendError::unavailable("gone while writing"))
+                }
+                .boxed();
+            }
             if self.away() {
                 return async { Err(BackendError::unavailable("away")) }.boxed();
             }
@@ -1311,22 +1361,20 @@ mod tests {
         }
     }
 
+    /// A started Fleet writing to `store`.
+    fn fleet_on(store: Arc<dyn FleetStore>) -> Addr<Fleet> {
+        let mut fleet = fleet();
+        fleet.store = store;
+        fleet.start()
+    }
+
     /// Changes whose writes failed are announced again once the writes land, in their order,
     /// but for connects of streams that have ended since.
     #[actix::test]
     async fn announcements_of_failed_writes_go_again_in_order_once_stored() {
-        let settings = FleetSettings {
-            ttl: Duration::from_secs(30),
-            retention: Duration::from_secs(3600),
-        };
-        let store = Arc::new(Flaky {
-            inner: MemoryFleet::new(settings),
-            away: true.into(),
-        });
+        let store = Arc::new(Flaky::new(true));
         let mut heard = store.inner.subscribe().await.unwrap();
-        let mut fleet = fleet();
-        fleet.store = store.clone();
-        let fleet = fleet.start();
+        let fleet = fleet_on(store.clone());
         let change = |device: &str, connection_id: u64, open: bool| {
             let device = DeviceId::parse(device).unwrap();
             if open {
@@ -1395,6 +1443,57 @@ mod tests {
         assert!(!record.online, "dev-1's end is stored");
         let record = store.inner.device(&dev("dev-2")).await.unwrap().unwrap();
         assert!(record.online, "dev-2's connect is stored");
+    }
+
+    /// A drain closes a stream while a flush is in flight; that flush fails once the farewell
+    /// has begun. The farewell waits for it and writes the stream's end, with its exact last
+    /// sent id, before it says goodbye: the hub stops the Fleet once the farewell is done, and
+    /// a later flush would never come.
+    #[actix::test]
+    async fn the_farewell_writes_what_a_flush_in_flight_failed_to() {
+        let store = Arc::new(Flaky::new(false));
+        let fleet = fleet_on(store.clone());
+        let device = DeviceId::parse("dev-1").unwrap();
+        fleet
+            .send(SessionChanges(vec![SessionChange::Opened {
+                device: device.clone(),
+                connection_id: 1,
+                opened_ms: unix_ms(),
+                peer: Peer::default(),
+                progress: Progress::default(),
+            }]))
+            .await
+            .unwrap();
+        tokio::time::sleep(FLUSH_EVERY * 3).await;
+        assert!(store.inner.device(&device).await.unwrap().is_some());
+
+        store.stuck.store(true, std::sync::atomic::Ordering::SeqCst);
+        let last = Cursor::parse("e1.0.9-0").unwrap();
+        fleet
+            .send(SessionChanges(vec![SessionChange::Closed {
+                device: device.clone(),
+                connection_id: 1,
+                at_ms: unix_ms(),
+                last_sent: Some(last.clone()),
+            }]))
+            .await
+            .unwrap();
+        tokio::time::sleep(FLUSH_EVERY * 3).await;
+        let farewell = fleet.send(Farewell);
+        tokio::time::sleep(FLUSH_EVERY).await;
+        store
+            .stuck
+            .store(false, std::sync::atomic::Ordering::SeqCst);
+        store.release.notify_waiters();
+        farewell.await.unwrap();
+
+        let record = store.inner.device(&device).await.unwrap().unwrap();
+        assert_eq!(
+            record.last_sent.as_ref(),
+            Some(&last),
+            "the end is stored when the farewell is done: {record:?}"
+        );
+        assert!(!record.online);
     }
 
     fn record(device: &str, instance: &str, session: u64) -> DeviceRecord {
