@@ -19,8 +19,8 @@ use futures_util::{stream::BoxStream, StreamExt};
 use posthorn::{
     backend::{
         fleet::{
-            memory::MemoryFleet, AckOutcome, FleetMessage, FleetSettings, FleetStore, Heard,
-            OnlineFilter, PresenceWrite, Session, SessionRef,
+            memory::MemoryFleet, AckOutcome, DeviceRecord, FleetMessage, FleetSettings, FleetStore,
+            Heard, OnlineFilter, PresenceWrite, Session, SessionRef,
         },
         nats::{NatsAccess, NatsBackend, NatsSettings},
         redis::{ConnectionSetup, RedisBackend, RedisSettings},
@@ -458,6 +458,103 @@ pub async fn a_race_is_decided_by_rank_not_by_write_order(env: &mut Env) {
         .expect("known");
     assert!(!record.online);
     assert_eq!(record.last_sent, Some(last));
+}
+
+/// A `Refresh` writes a session still open on its pod again: it creates a record that is gone
+/// (the store lost it), keeping an ack; refreshes the same open session without touching what it
+/// holds; leaves an ended session ended; and takes the record from another session only if it
+/// connected later. A pod with a stale view (a takeover on its way, a connect it never heard of)
+/// cannot undo a later connect however its writes are ordered.
+pub async fn a_refresh_never_undoes_a_later_connect(env: &mut Env) {
+    let pod = env.pod(SETTINGS).await;
+    pod.beat("a", "inst-a", false).await.expect("beat");
+    pod.beat("b", "inst-b", false).await.expect("beat");
+    let now = unix_ms();
+    let old = Session {
+        connected_ms: now - 60_000,
+        ..session("pos-refresh", "inst-a", 1)
+    };
+    let new = Session {
+        connected_ms: now,
+        ..session("pos-refresh", "inst-b", 1)
+    };
+    let read = || async { pod.device(&old.device).await.expect("read").expect("known") };
+    let names = |record: &DeviceRecord| (record.instance.clone(), record.session);
+
+    // Gone (never written here): created.
+    pod.write(vec![PresenceWrite::Refresh(old.clone())])
+        .await
+        .expect("write");
+    let record = read().await;
+    assert!(record.online, "{record:?}");
+    assert_eq!(names(&record), ("inst-a".into(), 1));
+
+    // A later connect replaces it; the older session's refresh then changes nothing.
+    pod.write(vec![PresenceWrite::Online(new.clone())])
+        .await
+        .expect("write");
+    pod.write(vec![PresenceWrite::Refresh(old.clone())])
+        .await
+        .expect("write");
+    assert_eq!(names(&read().await), ("inst-b".into(), 1));
+
+    // The same open session: refreshed, its last sent id kept.
+    let sent = cursor("e1", 0, 7, 0);
+    pod.write(vec![
+        PresenceWrite::Sent {
+            session: reference(&new),
+            last_sent: sent.clone(),
+        },
+        PresenceWrite::Refresh(new.clone()),
+    ])
+    .await
+    .expect("write");
+    let record = read().await;
+    assert_eq!(
+        (names(&record), record.last_sent.clone()),
+        (("inst-b".into(), 1), Some(sent.clone()))
+    );
+
+    // Ended: a late refresh of it (or of the older session) does not open it again.
+    pod.write(vec![
+        offline(&new, Some(sent.clone())),
+        PresenceWrite::Refresh(new.clone()),
+        PresenceWrite::Refresh(old.clone()),
+    ])
+    .await
+    .expect("write");
+    let record = read().await;
+    assert!(!record.online, "{record:?}");
+    assert_eq!(names(&record), ("inst-b".into(), 1));
+
+    // A session that connected later still takes it (its connect's write was lost).
+    let later = Session {
+        connected_ms: now + 1_000,
+        ..session("pos-refresh", "inst-a", 2)
+    };
+    pod.write(vec![PresenceWrite::Refresh(later.clone())])
+        .await
+        .expect("write");
+    let record = read().await;
+    assert!(record.online, "{record:?}");
+    assert_eq!(names(&record), ("inst-a".into(), 2));
+    assert_eq!(record.last_sent, None, "a new session's record");
+
+    // A record an ack made (no session): the refresh writes the session, the ack stays.
+    let acked = device("pos-refresh-acked");
+    let ack = cursor("e1", 0, 3, 0);
+    assert_eq!(
+        pod.ack(&acked, &ack, unix_ms()).await.expect("ack"),
+        AckOutcome::Moved
+    );
+    let refreshed = session("pos-refresh-acked", "inst-a", 3);
+    pod.write(vec![PresenceWrite::Refresh(refreshed)])
+        .await
+        .expect("write");
+    let record = pod.device(&acked).await.expect("read").expect("known");
+    assert!(record.online, "{record:?}");
+    assert_eq!(names(&record), ("inst-a".into(), 3));
+    assert_eq!(record.acked, Some(ack));
 }
 
 /// An instance that stops beating takes its devices offline after `ttl`, with no writer; they
@@ -1163,6 +1260,7 @@ fleet_store! {
     offline_after_offline_of_the_same_session,
     a_stale_offline_of_a_replaced_session_changes_nothing,
     a_race_is_decided_by_rank_not_by_write_order,
+    a_refresh_never_undoes_a_later_connect,
     an_instance_that_stops_beating_goes_offline_after_ttl,
     a_stopping_beat_is_offline_at_once,
     an_unknown_device_is_none,

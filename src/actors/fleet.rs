@@ -59,6 +59,9 @@ use crate::{
 const FLUSH_EVERY: Duration = Duration::from_millis(100);
 /// A flush not done by then has failed (its writes are kept for the next).
 const FLUSH_TIMEOUT: Duration = Duration::from_secs(5);
+/// After a gap, a failed beat is tried again this often, at most [`GAP_BEAT_TRIES`] times.
+const GAP_BEAT_RETRY: Duration = Duration::from_secs(1);
+const GAP_BEAT_TRIES: u32 = 10;
 /// How long the farewell waits for a flush in flight (the hub gives the farewell 3 s in all).
 const FAREWELL_FLUSH_WAIT: Duration = Duration::from_secs(1);
 /// Writes kept while a flush is in flight or the store is unreachable.
@@ -542,9 +545,11 @@ impl Fleet {
                 return false;
             };
             // The record before the sample: a record the store lost is written again whole,
-            // then the sample lands on it. But a newer session of the device on another pod
-            // (this stream is being closed by the takeover) must not lose its record to a
-            // refresh of this one. (Looked up only when due: a sample is most visits.)
+            // then the sample lands on it. A refresh never takes the record from a session
+            // that connected later (the store checks, `fleet::refreshes`: this pod's view may
+            // be stale after a gap); one the view already names (this stream is being closed
+            // by the takeover) is not even sent. (Looked up only when due: a sample is most
+            // visits.)
             let write_again = std::mem::take(&mut local.write_again);
             if (write_again || now.saturating_duration_since(local.refreshed) >= *refresh_every)
                 && view
@@ -552,7 +557,7 @@ impl Fleet {
                     .is_none_or(|seen| seen.session.is(&local.session))
             {
                 local.refreshed = now;
-                pending_writes.push(PresenceWrite::Online(local.session.clone()));
+                pending_writes.push(PresenceWrite::Refresh(local.session.clone()));
             }
             if !write_again
                 && now.saturating_duration_since(local.sampled) + period < PROGRESS_EVERY
@@ -703,12 +708,13 @@ impl Fleet {
                     session: session.clone(),
                     at_ms: *at_ms,
                 }),
-                PresenceWrite::Sent { .. } => None,
+                PresenceWrite::Refresh(_) | PresenceWrite::Sent { .. } => None,
             })
             .collect()
     }
 
-    fn beat(&self, stopping: bool) -> impl std::future::Future<Output = ()> + 'static {
+    /// Beats and announces it; answers whether the beat was stored.
+    fn beat(&self, stopping: bool) -> impl std::future::Future<Output = bool> + 'static {
         let store = self.store.clone();
         let (pod, instance) = (self.pod.clone(), self.instance.clone());
         let message = FleetMessage::Alive {
@@ -718,13 +724,35 @@ impl Fleet {
             stopping,
         };
         async move {
-            if let Err(error) = store.beat(&pod, &instance, stopping).await {
-                log::warn!("presence: beat failed: {}", Report(&error));
+            let stored = store.beat(&pod, &instance, stopping).await;
+            if let Err(error) = &stored {
+                log::warn!("presence: beat failed: {}", Report(error));
             }
             if let Err(error) = store.announce(vec![message]).await {
                 log::warn!("presence: beat not announced: {}", Report(&error));
             }
+            stored.is_ok()
         }
+    }
+
+    /// After a gap: beats now, and again every [`GAP_BEAT_RETRY`] until a beat is stored (a
+    /// store that restarted empty lost this instance's beat, without which its devices read
+    /// offline; on NATS its bucket comes back a moment after the first failures).
+    fn beat_after_gap(&mut self, ctx: &mut Context<Self>, tries_left: u32) {
+        if self.leaving {
+            return;
+        }
+        ctx.spawn(
+            self.beat(false)
+                .into_actor(self)
+                .map(move |stored, _, ctx| {
+                    if !stored && tries_left > 1 {
+                        ctx.run_later(GAP_BEAT_RETRY, move |fleet, ctx| {
+                            fleet.beat_after_gap(ctx, tries_left - 1)
+                        });
+                    }
+                }),
+        );
     }
 
     fn subscribe(&mut self, ctx: &mut Context<Self>) {
@@ -916,10 +944,10 @@ impl Actor for Fleet {
 
     fn started(&mut self, ctx: &mut Context<Self>) {
         self.subscribe(ctx);
-        ctx.spawn(self.beat(false).into_actor(self));
+        ctx.spawn(self.beat(false).into_actor(self).map(|_, _, _| ()));
         ctx.run_interval(self.config.ttl / 3, |fleet, ctx| {
             if !fleet.leaving {
-                ctx.spawn(fleet.beat(false).into_actor(fleet));
+                ctx.spawn(fleet.beat(false).into_actor(fleet).map(|_, _, _| ()));
             }
         });
         ctx.run_interval(FLUSH_EVERY, |fleet, ctx| fleet.flush(ctx));
@@ -953,9 +981,7 @@ impl StreamHandler<Heard> for Fleet {
                 );
                 self.load_online(ctx, true);
                 self.write_local_again();
-                if !self.leaving {
-                    ctx.spawn(self.beat(false).into_actor(self));
-                }
+                self.beat_after_gap(ctx, GAP_BEAT_TRIES);
             }
         }
     }
@@ -1177,7 +1203,7 @@ mod tests {
         let (writes, largest) = one_round(&mut fleet, later);
         let mut refreshed = HashMap::new();
         for write in writes {
-            let PresenceWrite::Online(session) = write else {
+            let PresenceWrite::Refresh(session) = write else {
                 panic!("only refreshes are due");
             };
             assert_eq!(session.instance, "instance-a");
@@ -1214,7 +1240,7 @@ mod tests {
         let online: Vec<u64> = writes
             .iter()
             .filter_map(|write| match write {
-                PresenceWrite::Online(session) => Some(session.session),
+                PresenceWrite::Refresh(session) => Some(session.session),
                 _ => None,
             })
             .collect();
@@ -1248,12 +1274,14 @@ mod tests {
             fleet.sample_slice(now);
             for write in fleet.pending_writes.drain(..) {
                 match write {
-                    PresenceWrite::Online(_) => {
+                    PresenceWrite::Refresh(_) => {
                         longest_gap = longest_gap.max(now - last_written);
                         last_written = now;
                     }
                     PresenceWrite::Sent { .. } => samples += 1,
-                    PresenceWrite::Offline { .. } => panic!("the stream is open"),
+                    PresenceWrite::Online(_) | PresenceWrite::Offline { .. } => {
+                        panic!("only refreshes and samples: {write:?}")
+                    }
                 }
             }
         }

@@ -12,8 +12,8 @@ use futures_util::{future::BoxFuture, stream::BoxStream, FutureExt, StreamExt};
 use tokio::sync::broadcast;
 
 use super::{
-    ack_moves, last_seen_ms, replaces, AckOutcome, DevicePage, DeviceRecord, FleetMessage,
-    FleetSettings, FleetStore, Heard, OnlineFilter, PresenceWrite, Session,
+    ack_moves, last_seen_ms, refreshes, replaces, AckOutcome, DevicePage, DeviceRecord,
+    FleetMessage, FleetSettings, FleetStore, Heard, OnlineFilter, PresenceWrite, Session,
 };
 use crate::{
     backend::BackendResult,
@@ -149,20 +149,23 @@ impl FleetStore for MemoryFleet {
         let now = unix_ms();
         let mut state = self.state();
         for change in changes {
+            let refresh = matches!(change, PresenceWrite::Refresh(_));
             match change {
-                PresenceWrite::Online(session) => {
-                    let stored = state.devices.get_mut(&session.device);
-                    match stored {
-                        Some(stored) if stored.session.is(&session) => {
+                PresenceWrite::Online(session) | PresenceWrite::Refresh(session) => {
+                    if let Some(stored) = state.devices.get_mut(&session.device) {
+                        let open = stored.ended_ms.is_none();
+                        let writes = if refresh {
+                            refreshes(&session, Some((&stored.session, open)))
+                        } else {
+                            replaces(&session, &stored.session, open)
+                        };
+                        if !writes {
+                            continue;
+                        }
+                        if stored.session.is(&session) {
                             stored.written_ms = now;
                             continue;
                         }
-                        Some(stored)
-                            if !replaces(&session, &stored.session, stored.ended_ms.is_none()) =>
-                        {
-                            continue;
-                        }
-                        _ => {}
                     }
                     let stored = state.devices.get(&session.device);
                     let (acked, acked_ms) = stored

@@ -11,10 +11,13 @@
 //!   connected, the remote address and the user agent. `Online` replaces the record's session
 //!   when [`replaces`] says so (the order of two writes is not the order of the connects: the
 //!   pods flush in batches); `Online` of the session the record already names only refreshes
-//!   it (pods do so for their open sessions, so that retention never forgets a device that is
-//!   connected); `Offline` ends it only if the record still names that same
-//!   instance and session (a late goodbye of a replaced session changes nothing), and `Sent`
-//!   applies only to that session while it is open.
+//!   it. `Refresh` writes a session still open on its pod again (so that retention never
+//!   forgets a connected device, and a store that lost its records learns it again): it
+//!   creates a record that is gone, refreshes one naming the same open session, and replaces
+//!   another session only if it connected later ([`refreshes`]: whatever the writing pod's view
+//!   of the fleet, a refresh never undoes a later connect). `Offline` ends the session only if
+//!   the record still names that same instance and session (a late goodbye of a replaced
+//!   session changes nothing), and `Sent` applies only to that session while it is open.
 //! - **Liveness.** A device is online iff its record names a session that has not ended and whose
 //!   instance has beaten (`beat`) within `ttl`, measured on the store's clock where it has one
 //!   (Redis `TIME`, the NATS server's timestamps). So the devices of a pod that died without a
@@ -86,6 +89,9 @@ pub struct SessionRef {
 pub enum PresenceWrite {
     /// The device's latest session began.
     Online(Session),
+    /// A session still open on its pod, written again: so that retention does not forget it,
+    /// and so that a store that lost its records learns it again. See [`refreshes`].
+    Refresh(Session),
     /// The session ended at `at_ms` (the pod's clock) having last written `last_sent`.
     Offline {
         session: SessionRef,
@@ -267,6 +273,19 @@ impl Session {
 pub fn replaces(new: &Session, stored: &Session, stored_open: bool) -> bool {
     let race = new.connected_ms.abs_diff(stored.connected_ms) < RACE_WINDOW.as_millis() as u64;
     new.is(stored) || !stored_open || !race || new.rank() > stored.rank()
+}
+
+/// Whether a refresh of `new` writes a device's record that names `stored` (open or not), or
+/// none. A record that is gone is written again; the same session only while it is open (an
+/// ended one stays ended); another session only if `new` connected after it, so a pod with a
+/// stale view (a takeover on its way, a connect it has not heard of) cannot take the record
+/// from a newer session.
+pub fn refreshes(new: &Session, stored: Option<(&Session, bool)>) -> bool {
+    match stored {
+        None => true,
+        Some((stored, open)) if new.is(stored) => open,
+        Some((stored, _)) => new.rank() > stored.rank(),
+    }
 }
 
 /// A record's `last_seen_ms`: when its session ended; now while it is online; else the last beat

@@ -5,10 +5,10 @@
 //! - **Buckets.** `{stream}_devices` (one JSON record per device, max age = retention),
 //!   `{stream}_pods` (one entry per instance: its last beat, max age = retention) and
 //!   `{stream}_broadcasts` (the copies of a broadcast, max age = retention). Created or updated
-//!   at start-up, and created again when a failed request finds one gone. A key is read from the bucket's stream leader (`STREAM.MSG.GET`), never by
-//!   direct get, which a replica that has not applied the last write may answer: a pod reads
-//!   back what it or any other pod just wrote (the clock probe, compare-and-set, the API).
-//!   Listings read through an ephemeral consumer, which the server may place on a replica: a
+//!   at start-up, and created again when a failed request finds one gone. A key is read from
+//!   the bucket's stream leader (`STREAM.MSG.GET`), never by direct get, which a replica that
+//!   has not applied the last write may answer: a pod reads back what it or any other pod
+//!   just wrote (the clock probe, compare-and-set, the API). Listings read through an ephemeral consumer, which the server may place on a replica: a
 //!   page can miss what was written a moment before (docs/fleet.md, "Known limits").
 //! - **Keys.** KV keys take neither `:` nor a `.` at either end, which device ids may hold: a
 //!   device's key escapes `.` as `=2E` and `:` as `=3A` (`=` is no device id character).
@@ -45,8 +45,8 @@ use super::{found, is_not_found, unavailable, Inner, RECREATE_AFTER};
 use crate::{
     backend::{
         fleet::{
-            ack_moves, last_seen_ms, replaces, AckOutcome, DevicePage, DeviceRecord, FleetMessage,
-            FleetSettings, FleetStore, Heard, OnlineFilter, PresenceWrite, Session,
+            ack_moves, last_seen_ms, refreshes, replaces, AckOutcome, DevicePage, DeviceRecord,
+            FleetMessage, FleetSettings, FleetStore, Heard, OnlineFilter, PresenceWrite, Session,
         },
         BackendError, BackendResult,
     },
@@ -58,6 +58,8 @@ use crate::{
 const CAS_TRIES: usize = 16;
 /// Messages per fetch of a listing's consumer.
 const FETCH_MAX: usize = 1000;
+/// At most one look for missing buckets after failures per this (and each no longer).
+const BUCKET_CHECK_EVERY: Duration = Duration::from_secs(1);
 /// A listing consumer whose deletion failed is removed by the server after this.
 const LIST_CONSUMER_IDLE: Duration = Duration::from_secs(10);
 /// Longest listing read.
@@ -95,6 +97,8 @@ pub struct NatsFleet {
     bucket_streams: Vec<jetstream::stream::Config>,
     /// Since when a bucket's stream has been found gone.
     missing_since: Mutex<Option<Instant>>,
+    /// When the buckets were last looked for after a failure.
+    last_bucket_check: Mutex<Option<Instant>>,
     subject: String,
     settings: FleetSettings,
     /// The server's clock minus ours (ms), as measured at the last beat.
@@ -225,6 +229,7 @@ impl NatsFleet {
             pods_stream: format!("KV_{stream}_pods"),
             bucket_streams,
             missing_since: Mutex::new(None),
+            last_bucket_check: Mutex::new(None),
             subject: format!("{}.fleet.pods", inner.layout.prefix),
             settings,
             offset_ms: AtomicI64::new(0),
@@ -239,20 +244,36 @@ impl NatsFleet {
     /// would fail too. The missing ones are created again, [`RECREATE_AFTER`] after they were
     /// first found gone, as the event stream is (nats-server 2.9 removes a deleted stream's
     /// files in the background). Their records are lost; the pods write those of their open
-    /// streams again when their channel comes back (`actors::fleet`).
+    /// streams again when their channel comes back (`actors::fleet`). At most one look per
+    /// [`BUCKET_CHECK_EVERY`], its lookups together and no longer than that: a failing store is
+    /// not asked more, and a failure is not answered much later for it.
     async fn restore_buckets(&self) {
         // Away from the server (an outage) nothing can be found out, only waited for.
         if self.client.connection_state() != async_nats::connection::State::Connected {
             return;
         }
-        let mut missing = Vec::new();
-        for config in &self.bucket_streams {
-            match self.jetstream.get_stream(&config.name).await {
-                Err(error) if is_not_found(&error) => missing.push(config),
-                // Found, or the server cannot tell now: nothing to do here.
-                _ => {}
+        {
+            let mut last = self
+                .last_bucket_check
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner());
+            if last.is_some_and(|at| at.elapsed() < BUCKET_CHECK_EVERY) {
+                return;
             }
+            *last = Some(Instant::now());
         }
+        let lookups = self.bucket_streams.iter().map(|config| async move {
+            let found =
+                tokio::time::timeout(BUCKET_CHECK_EVERY, self.jetstream.get_stream(&config.name))
+                    .await;
+            // Found, or the server cannot tell now: nothing to do.
+            matches!(found, Ok(Err(error)) if is_not_found(&error)).then_some(config)
+        });
+        let missing: Vec<&jetstream::stream::Config> = futures_util::future::join_all(lookups)
+            .await
+            .into_iter()
+            .flatten()
+            .collect();
         let since = {
             let mut since = self
                 .missing_since
@@ -279,14 +300,29 @@ impl NatsFleet {
         if since.elapsed() < RECREATE_AFTER {
             return;
         }
-        for config in missing {
-            match self.jetstream.create_or_update_stream(config.clone()).await {
-                Ok(_) => log::info!("nats: fleet bucket stream {} created again", config.name),
+        let mut created = 0;
+        for config in &missing {
+            match self
+                .jetstream
+                .create_or_update_stream((*config).clone())
+                .await
+            {
+                Ok(_) => {
+                    created += 1;
+                    log::info!("nats: fleet bucket stream {} created again", config.name);
+                }
                 Err(error) => log::warn!(
                     "nats: cannot create fleet bucket stream {} again: {error}",
                     config.name
                 ),
             }
+        }
+        // A later loss waits its own RECREATE_AFTER.
+        if created == missing.len() {
+            *self
+                .missing_since
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner()) = None;
         }
     }
 
@@ -403,7 +439,9 @@ impl NatsFleet {
         let mut per_device: BTreeMap<DeviceId, Vec<PresenceWrite>> = BTreeMap::new();
         for change in changes {
             let device = match &change {
-                PresenceWrite::Online(session) => session.device.clone(),
+                PresenceWrite::Online(session) | PresenceWrite::Refresh(session) => {
+                    session.device.clone()
+                }
                 PresenceWrite::Offline { session, .. } | PresenceWrite::Sent { session, .. } => {
                     session.device.clone()
                 }
@@ -749,15 +787,20 @@ fn apply(record: &mut Option<Stored>, change: &PresenceWrite) -> bool {
         stored.session.instance == instance && stored.session.session == session
     };
     match change {
-        PresenceWrite::Online(session) => {
+        PresenceWrite::Online(session) | PresenceWrite::Refresh(session) => {
             if let Some(stored) = record.as_ref() {
+                let open = stored.ended_ms.is_none();
+                let writes = match change {
+                    PresenceWrite::Refresh(_) => refreshes(session, Some((&stored.session, open))),
+                    _ => replaces(session, &stored.session, open),
+                };
+                if !writes {
+                    return false;
+                }
                 // The same session again is a refresh: written as it is (a KV record's age
                 // counts from its last write).
                 if stored.session.is(session) {
                     return true;
-                }
-                if !replaces(session, &stored.session, stored.ended_ms.is_none()) {
-                    return false;
                 }
             }
             let (acked, acked_ms) = record

@@ -42,10 +42,12 @@ const SUBSCRIBER_BACKLOG: usize = 4096;
 
 /// Applies presence changes to device hashes (all of one slot). KEYS: the device hashes.
 /// ARGV: retention (ms), change count, race window (ms), then 10 per change: key index, kind
-/// (`on`, `off`, `sent`), instance, session, pod, connected_ms, remote, user agent, ended at
-/// (ms), last sent (or ''). `on` replaces the hash's session as `backend::fleet::replaces` says
-/// (the same session again only refreshes its expiry); `off` and `sent` apply only while the
-/// hash names the same instance and session, `sent` only while it is open.
+/// (`on`, `refresh`, `off`, `sent`), instance, session, pod, connected_ms, remote, user agent,
+/// ended at (ms), last sent (or ''). `on` replaces the hash's session as
+/// `backend::fleet::replaces` says, `refresh` as `backend::fleet::refreshes` says (the same
+/// session again only refreshes its expiry, a `refresh` only while it is open); `off` and
+/// `sent` apply only while the hash names the same instance and session, `sent` only while it
+/// is open.
 pub const WRITE: &str = r#"
 local retention, race = ARGV[1], tonumber(ARGV[3])
 -- (connected_ms, instance, session) of a greater than of b: the rank of a race.
@@ -60,13 +62,16 @@ for i = 0, tonumber(ARGV[2]) - 1 do
   local kind = ARGV[at + 1]
   local current = redis.call('HMGET', key, 'instance', 'session', 'connected_ms', 'ended_ms')
   local same = current[1] == ARGV[at + 2] and current[2] == ARGV[at + 3]
-  if kind == 'on' then
+  if kind == 'on' or kind == 'refresh' then
     local replace = not same
-    if replace and current[1] and not current[4] then
+    if replace and current[1] then
       local new_ms, old_ms = tonumber(ARGV[at + 5]), tonumber(current[3])
-      if math.abs(new_ms - old_ms) < race then
-        replace = outranks(new_ms, ARGV[at + 2], tonumber(ARGV[at + 3]),
-          old_ms, current[1], tonumber(current[2]))
+      local newer = outranks(new_ms, ARGV[at + 2], tonumber(ARGV[at + 3]),
+        old_ms, current[1], tonumber(current[2]))
+      if kind == 'refresh' then
+        replace = newer
+      elseif not current[4] and math.abs(new_ms - old_ms) < race then
+        replace = newer
       end
     end
     if replace then
@@ -75,7 +80,9 @@ for i = 0, tonumber(ARGV[2]) - 1 do
         'pod', ARGV[at + 4], 'connected_ms', ARGV[at + 5], 'remote', ARGV[at + 6],
         'user_agent', ARGV[at + 7])
     end
-    if replace or same then redis.call('PEXPIRE', key, retention) end
+    if replace or (same and not (kind == 'refresh' and current[4])) then
+      redis.call('PEXPIRE', key, retention)
+    end
   elseif same and not (kind == 'sent' and current[4]) then
     if kind == 'off' then redis.call('HSET', key, 'ended_ms', ARGV[at + 8]) end
     if ARGV[at + 9] ~= '' then redis.call('HSET', key, 'last_sent', ARGV[at + 9]) end
@@ -642,10 +649,13 @@ impl SlotCall {
 fn write_args(change: &PresenceWrite) -> (&DeviceId, Vec<Value>) {
     let text = |s: &str| Value::from(s.to_owned());
     match change {
-        PresenceWrite::Online(session) => (
+        PresenceWrite::Online(session) | PresenceWrite::Refresh(session) => (
             &session.device,
             vec![
-                text("on"),
+                text(match change {
+                    PresenceWrite::Refresh(_) => "refresh",
+                    _ => "on",
+                }),
                 text(&session.instance),
                 Value::from(session.session.to_string()),
                 text(&session.pod),
