@@ -173,6 +173,8 @@ pub struct Fleet {
     flushing: bool,
     /// Notified at the end of every flush: the farewell waits for the one in flight.
     flushed: Arc<tokio::sync::Notify>,
+    /// Beats after a gap are being tried (see [`Fleet::beat_after_gap`]).
+    beating_after_gap: bool,
     /// The farewell has begun: no more flushes or beats of the timers (one landing after the
     /// goodbye would say this instance is alive again).
     leaving: bool,
@@ -229,6 +231,7 @@ impl Fleet {
             replay_writes: false,
             flushing: false,
             flushed: Arc::new(tokio::sync::Notify::new()),
+            beating_after_gap: false,
             leaving: false,
             local: HashMap::new(),
             // A retention under 20 s needs its refreshes sooner than every 5 s.
@@ -594,21 +597,28 @@ impl Fleet {
         }
     }
 
-    /// Keeps the pending writes within [`MAX_PENDING`]: progress samples superseded by a later
-    /// one of their session go first, then the oldest writes.
+    /// Keeps the pending writes within [`MAX_PENDING`]: progress samples and refreshes
+    /// superseded by a later one of their session go first, then the oldest writes.
     fn bound_pending(&mut self) {
         if self.pending_writes.len() <= MAX_PENDING {
             return;
         }
         let mut newest_sample: HashSet<SessionRef> = HashSet::new();
+        let mut newest_refresh: HashSet<(DeviceId, String, u64)> = HashSet::new();
         let mut kept: Vec<PresenceWrite> = Vec::with_capacity(self.pending_writes.len());
         for write in std::mem::take(&mut self.pending_writes).into_iter().rev() {
-            if let PresenceWrite::Sent { session, .. } = &write {
-                if !newest_sample.insert(session.clone()) {
-                    continue;
-                }
+            let superseded = match &write {
+                PresenceWrite::Sent { session, .. } => !newest_sample.insert(session.clone()),
+                PresenceWrite::Refresh(session) => !newest_refresh.insert((
+                    session.device.clone(),
+                    session.instance.clone(),
+                    session.session,
+                )),
+                _ => false,
+            };
+            if !superseded {
+                kept.push(write);
             }
-            kept.push(write);
         }
         kept.reverse();
         let excess = kept.len().saturating_sub(MAX_PENDING);
@@ -631,13 +641,14 @@ impl Fleet {
         let writes = std::mem::take(&mut self.pending_writes);
         let messages = std::mem::take(&mut self.pending_messages);
         let replay = self.replay_of(&writes);
+        let stored = self.as_stored(&writes);
         let store = self.store.clone();
         let work = async move {
             let write = async {
-                if writes.is_empty() {
+                if stored.is_empty() {
                     return Ok(());
                 }
-                match tokio::time::timeout(FLUSH_TIMEOUT, store.write(writes.clone())).await {
+                match tokio::time::timeout(FLUSH_TIMEOUT, store.write(stored)).await {
                     Ok(written) => written,
                     Err(_) => Err(BackendError::unavailable("presence writes timed out")),
                 }
@@ -686,6 +697,24 @@ impl Fleet {
                     fleet.flushed.notify_waiters();
                 }),
         );
+    }
+
+    /// What `writes` go to the store as. Written again after a failure, their order against
+    /// other pods' writes says nothing any more (another pod may have written a later connect of
+    /// the device meanwhile, and beyond the race window the `Online` that lands last would win):
+    /// a connect then goes as a [`PresenceWrite::Refresh`], which keeps the record with the
+    /// session that connected later.
+    fn as_stored(&self, writes: &[PresenceWrite]) -> Vec<PresenceWrite> {
+        writes
+            .iter()
+            .cloned()
+            .map(|write| match write {
+                PresenceWrite::Online(session) if self.replay_writes => {
+                    PresenceWrite::Refresh(session)
+                }
+                write => write,
+            })
+            .collect()
     }
 
     /// The announcements of `writes` to send again once they are stored, if an earlier flush
@@ -740,13 +769,20 @@ impl Fleet {
     /// offline; on NATS its bucket comes back a moment after the first failures).
     fn beat_after_gap(&mut self, ctx: &mut Context<Self>, tries_left: u32) {
         if self.leaving {
+            self.beating_after_gap = false;
+            return;
+        }
+        // One chain of tries at a time: a gap during the tries adds none.
+        if tries_left == GAP_BEAT_TRIES && std::mem::replace(&mut self.beating_after_gap, true) {
             return;
         }
         ctx.spawn(
             self.beat(false)
                 .into_actor(self)
-                .map(move |stored, _, ctx| {
-                    if !stored && tries_left > 1 {
+                .map(move |stored, fleet, ctx| {
+                    if stored || tries_left <= 1 {
+                        fleet.beating_after_gap = false;
+                    } else {
                         ctx.run_later(GAP_BEAT_RETRY, move |fleet, ctx| {
                             fleet.beat_after_gap(ctx, tries_left - 1)
                         });
@@ -1022,9 +1058,12 @@ impl Handler<Farewell> for Fleet {
             let writes = std::mem::take(&mut fleet.pending_writes);
             let mut messages = fleet.replay_of(&writes);
             messages.append(&mut fleet.pending_messages);
+            let writes = fleet.as_stored(&writes);
             let store = fleet.store.clone();
             let goodbye = fleet.beat(true);
-            async move {
+            // The goodbye does not wait for the writes: it alone takes the devices offline, and
+            // a slow store must not use up the hub's limit before it is sent.
+            let last_writes = async move {
                 if !writes.is_empty() {
                     if let Err(error) = store.write(writes).await {
                         log::warn!("presence: last writes failed: {}", Report(&error));
@@ -1033,7 +1072,9 @@ impl Handler<Farewell> for Fleet {
                 if !messages.is_empty() {
                     let _ = store.announce(messages).await;
                 }
-                goodbye.await;
+            };
+            async move {
+                futures_util::join!(last_writes, goodbye);
             }
             .into_actor(fleet)
         }))
@@ -1513,7 +1554,11 @@ mod tests {
             .stuck
             .store(false, std::sync::atomic::Ordering::SeqCst);
         store.release.notify_waiters();
-        farewell.await.unwrap();
+        // Woken by the flush's end, not by the wait's limit.
+        tokio::time::timeout(FAREWELL_FLUSH_WAIT / 2, farewell)
+            .await
+            .expect("the farewell ends once the flush in flight has")
+            .unwrap();
 
         let record = store.inner.device(&device).await.unwrap().unwrap();
         assert_eq!(
@@ -1522,6 +1567,56 @@ mod tests {
             "the end is stored when the farewell is done: {record:?}"
         );
         assert!(!record.online);
+    }
+
+    /// A connect whose write failed is written again after the store is back; meanwhile the
+    /// device connected later on another pod, whose write landed first. The retried write must
+    /// not take the record: after a failure the order of writes says nothing about the order of
+    /// the connects.
+    #[actix::test]
+    async fn a_retried_connect_does_not_undo_a_later_one() {
+        let store = Arc::new(Flaky::new(true));
+        let fleet = fleet_on(store.clone());
+        let device = DeviceId::parse("dev-1").unwrap();
+        fleet
+            .send(SessionChanges(vec![SessionChange::Opened {
+                device: device.clone(),
+                connection_id: 1,
+                opened_ms: unix_ms() - 10_000,
+                peer: Peer::default(),
+                progress: Progress::default(),
+            }]))
+            .await
+            .unwrap();
+        tokio::time::sleep(FLUSH_EVERY * 3).await;
+        let later = Session {
+            device: device.clone(),
+            pod: "pod-b".into(),
+            instance: "instance-b".into(),
+            session: 7,
+            connected_ms: unix_ms(),
+            remote: String::new(),
+            user_agent: String::new(),
+        };
+        store
+            .inner
+            .beat("pod-b", "instance-b", false)
+            .await
+            .unwrap();
+        store
+            .inner
+            .write(vec![PresenceWrite::Online(later)])
+            .await
+            .unwrap();
+        store.away.store(false, std::sync::atomic::Ordering::SeqCst);
+        tokio::time::sleep(FLUSH_EVERY * 5).await;
+
+        let record = store.inner.device(&device).await.unwrap().unwrap();
+        assert_eq!(
+            (record.instance.as_str(), record.session),
+            ("instance-b", 7),
+            "{record:?}"
+        );
     }
 
     fn record(device: &str, instance: &str, session: u64) -> DeviceRecord {

@@ -14,7 +14,7 @@
 //!   it. `Refresh` writes a session still open on its pod again (so that retention never
 //!   forgets a connected device, and a store that lost its records learns it again): it
 //!   creates a record that is gone, refreshes one naming the same open session, and replaces
-//!   another session only if it connected later ([`refreshes`]: whatever the writing pod's view
+//!   another session only if it ranks higher ([`refreshes`]: whatever the writing pod's view
 //!   of the fleet, a refresh never undoes a later connect). `Offline` ends the session only if
 //!   the record still names that same instance and session (a late goodbye of a replaced
 //!   session changes nothing), and `Sent` applies only to that session while it is open.

@@ -58,6 +58,13 @@ use crate::{
 const CAS_TRIES: usize = 16;
 /// Messages per fetch of a listing's consumer.
 const FETCH_MAX: usize = 1000;
+/// What a look for a bucket's stream found.
+enum Lookup<'a> {
+    Found,
+    Missing(&'a jetstream::stream::Config),
+    Unknown,
+}
+
 /// At most one look for missing buckets after failures per this (and each no longer).
 const BUCKET_CHECK_EVERY: Duration = Duration::from_secs(1);
 /// A listing consumer whose deletion failed is removed by the server after this.
@@ -266,21 +273,32 @@ impl NatsFleet {
             let found =
                 tokio::time::timeout(BUCKET_CHECK_EVERY, self.jetstream.get_stream(&config.name))
                     .await;
-            // Found, or the server cannot tell now: nothing to do.
-            matches!(found, Ok(Err(error)) if is_not_found(&error)).then_some(config)
+            match found {
+                Ok(Ok(_)) => Lookup::Found,
+                Ok(Err(error)) if is_not_found(&error) => Lookup::Missing(config),
+                // The server cannot tell now.
+                _ => Lookup::Unknown,
+            }
         });
-        let missing: Vec<&jetstream::stream::Config> = futures_util::future::join_all(lookups)
-            .await
-            .into_iter()
-            .flatten()
+        let lookups = futures_util::future::join_all(lookups).await;
+        let missing: Vec<&jetstream::stream::Config> = lookups
+            .iter()
+            .filter_map(|lookup| match lookup {
+                Lookup::Missing(config) => Some(*config),
+                _ => None,
+            })
             .collect();
+        let all_found = lookups.iter().all(|lookup| matches!(lookup, Lookup::Found));
         let since = {
             let mut since = self
                 .missing_since
                 .lock()
                 .unwrap_or_else(|poisoned| poisoned.into_inner());
             if missing.is_empty() {
-                *since = None;
+                // Only an answer for every bucket ends a wait: a slow server must not restart it.
+                if all_found {
+                    *since = None;
+                }
                 return;
             }
             *since.get_or_insert_with(|| {
