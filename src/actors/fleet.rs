@@ -1430,6 +1430,17 @@ mod tests {
         }
     }
 
+    /// Connection 1 of `device` opened at `opened_ms`.
+    fn opened(device: &DeviceId, opened_ms: u64) -> SessionChange {
+        SessionChange::Opened {
+            device: device.clone(),
+            connection_id: 1,
+            opened_ms,
+            peer: Peer::default(),
+            progress: Progress::default(),
+        }
+    }
+
     /// A started Fleet writing to `store`.
     fn fleet_on(store: Arc<dyn FleetStore>) -> Addr<Fleet> {
         let mut fleet = fleet();
@@ -1524,13 +1535,7 @@ mod tests {
         let fleet = fleet_on(store.clone());
         let device = DeviceId::parse("dev-1").unwrap();
         fleet
-            .send(SessionChanges(vec![SessionChange::Opened {
-                device: device.clone(),
-                connection_id: 1,
-                opened_ms: unix_ms(),
-                peer: Peer::default(),
-                progress: Progress::default(),
-            }]))
+            .send(SessionChanges(vec![opened(&device, unix_ms())]))
             .await
             .unwrap();
         tokio::time::sleep(FLUSH_EVERY * 3).await;
@@ -1579,13 +1584,7 @@ mod tests {
         let fleet = fleet_on(store.clone());
         let device = DeviceId::parse("dev-1").unwrap();
         fleet
-            .send(SessionChanges(vec![SessionChange::Opened {
-                device: device.clone(),
-                connection_id: 1,
-                opened_ms: unix_ms() - 10_000,
-                peer: Peer::default(),
-                progress: Progress::default(),
-            }]))
+            .send(SessionChanges(vec![opened(&device, unix_ms() - 10_000)]))
             .await
             .unwrap();
         tokio::time::sleep(FLUSH_EVERY * 3).await;
