@@ -536,7 +536,6 @@ impl Fleet {
             local,
             view,
             pending_writes,
-            instance,
             refresh_every,
             ..
         } = self;
@@ -572,11 +571,7 @@ impl Fleet {
             if write_again || changes != local.written {
                 local.written = changes;
                 if let Some(last_sent) = last_sent {
-                    let session = SessionRef {
-                        device: device.clone(),
-                        instance: instance.clone(),
-                        session: *connection_id,
-                    };
+                    let session = local.session.reference();
                     pending_writes.push(PresenceWrite::Sent { session, last_sent });
                 }
             }
@@ -604,16 +599,12 @@ impl Fleet {
             return;
         }
         let mut newest_sample: HashSet<SessionRef> = HashSet::new();
-        let mut newest_refresh: HashSet<(DeviceId, String, u64)> = HashSet::new();
+        let mut newest_refresh: HashSet<SessionRef> = HashSet::new();
         let mut kept: Vec<PresenceWrite> = Vec::with_capacity(self.pending_writes.len());
         for write in std::mem::take(&mut self.pending_writes).into_iter().rev() {
             let superseded = match &write {
                 PresenceWrite::Sent { session, .. } => !newest_sample.insert(session.clone()),
-                PresenceWrite::Refresh(session) => !newest_refresh.insert((
-                    session.device.clone(),
-                    session.instance.clone(),
-                    session.session,
-                )),
+                PresenceWrite::Refresh(session) => !newest_refresh.insert(session.reference()),
                 _ => false,
             };
             if !superseded {
@@ -766,14 +757,17 @@ impl Fleet {
 
     /// After a gap: beats now, and again every [`GAP_BEAT_RETRY`] until a beat is stored (a
     /// store that restarted empty lost this instance's beat, without which its devices read
-    /// offline; on NATS its bucket comes back a moment after the first failures).
-    fn beat_after_gap(&mut self, ctx: &mut Context<Self>, tries_left: u32) {
+    /// offline; on NATS its bucket comes back a moment after the first failures). One chain of
+    /// tries at a time: a gap during the tries adds none.
+    fn beat_after_gap(&mut self, ctx: &mut Context<Self>) {
+        if !std::mem::replace(&mut self.beating_after_gap, true) {
+            self.beat_until_stored(ctx, GAP_BEAT_TRIES);
+        }
+    }
+
+    fn beat_until_stored(&mut self, ctx: &mut Context<Self>, tries_left: u32) {
         if self.leaving {
             self.beating_after_gap = false;
-            return;
-        }
-        // One chain of tries at a time: a gap during the tries adds none.
-        if tries_left == GAP_BEAT_TRIES && std::mem::replace(&mut self.beating_after_gap, true) {
             return;
         }
         ctx.spawn(
@@ -784,7 +778,7 @@ impl Fleet {
                         fleet.beating_after_gap = false;
                     } else {
                         ctx.run_later(GAP_BEAT_RETRY, move |fleet, ctx| {
-                            fleet.beat_after_gap(ctx, tries_left - 1)
+                            fleet.beat_until_stored(ctx, tries_left - 1)
                         });
                     }
                 }),
@@ -1017,7 +1011,7 @@ impl StreamHandler<Heard> for Fleet {
                 );
                 self.load_online(ctx, true);
                 self.write_local_again();
-                self.beat_after_gap(ctx, GAP_BEAT_TRIES);
+                self.beat_after_gap(ctx);
             }
         }
     }

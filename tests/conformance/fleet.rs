@@ -7,7 +7,7 @@ use std::time::Duration;
 use serde_json::{json, Value};
 
 use crate::env::{Env, Fault};
-use crate::support::{http, stream_path, Hub, SseClient, SseEvent, SseNext};
+use crate::support::{http, hub::HubBuilder, stream_path, Hub, SseClient, SseEvent, SseNext};
 use crate::{publish_ok, publish_to, WAIT};
 
 /// `presence.ttl` of the scenarios that kill a pod: short, so they end soon.
@@ -26,6 +26,18 @@ async fn pod(env: &Env, pod: &str, ttl: &str, debounce: Duration) -> Hub {
         )
         .start()
         .await
+}
+
+/// Pod `pod-a` with `ttl`, whose drain closes its streams at once, sends them back in 1–2 s
+/// and ends within 5 s.
+fn drained_soon(env: &Env, ttl: &str) -> HubBuilder {
+    env.hub()
+        .env("POSTHORN_PRESENCE__POD_NAME", "pod-a")
+        .env("POSTHORN_PRESENCE__TTL", ttl)
+        .env("POSTHORN_DRAIN__READINESS_DELAY", "0s")
+        .env("POSTHORN_DRAIN__GRACE", "5s")
+        .env("POSTHORN_DRAIN__RETRY_MIN", "1s")
+        .env("POSTHORN_DRAIN__RETRY_MAX", "2s")
 }
 
 async fn get_json(hub: &Hub, path: &str) -> (u16, Value) {
@@ -815,15 +827,8 @@ pub async fn a_drained_pods_devices_go_offline_at_once(env: &mut Env) {
     if !env.part("a pod drained under its devices", &[Fault::SharedStore]) {
         return;
     }
-    let mut a = env
-        .hub()
-        .env("POSTHORN_PRESENCE__POD_NAME", "pod-a")
-        .env("POSTHORN_PRESENCE__TTL", "30s")
+    let mut a = drained_soon(env, "30s")
         .env("POSTHORN_PRESENCE__DEBOUNCE", "100ms")
-        .env("POSTHORN_DRAIN__READINESS_DELAY", "0s")
-        .env("POSTHORN_DRAIN__GRACE", "5s")
-        .env("POSTHORN_DRAIN__RETRY_MIN", "1s")
-        .env("POSTHORN_DRAIN__RETRY_MAX", "2s")
         .start()
         .await;
     let b = pod(env, "pod-b", "30s", Duration::from_millis(100)).await;
@@ -903,16 +908,7 @@ pub async fn a_pod_drained_while_its_store_is_away_exits_in_time(env: &mut Env) 
     ) {
         return;
     }
-    let mut a = env
-        .hub()
-        .env("POSTHORN_PRESENCE__POD_NAME", "pod-a")
-        .env("POSTHORN_PRESENCE__TTL", SHORT_TTL)
-        .env("POSTHORN_DRAIN__READINESS_DELAY", "0s")
-        .env("POSTHORN_DRAIN__GRACE", "5s")
-        .env("POSTHORN_DRAIN__RETRY_MIN", "1s")
-        .env("POSTHORN_DRAIN__RETRY_MAX", "2s")
-        .start()
-        .await;
+    let mut a = drained_soon(env, SHORT_TTL).start().await;
     let mut stream = stream_of(&a, "pos-dark-drain", &[]).await;
     presence_until(&a, "pos-dark-drain", WAIT, "online", |r| {
         r["online"] == true

@@ -155,7 +155,7 @@ impl FleetStore for MemoryFleet {
                     if let Some(stored) = state.devices.get_mut(&session.device) {
                         let open = stored.ended_ms.is_none();
                         let writes = if refresh {
-                            refreshes(&session, Some((&stored.session, open)))
+                            refreshes(&session, &stored.session, open)
                         } else {
                             replaces(&session, &stored.session, open)
                         };

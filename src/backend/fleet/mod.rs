@@ -261,6 +261,15 @@ impl Session {
         (self.connected_ms, &self.instance, self.session)
     }
 
+    /// Names this session without its details.
+    pub fn reference(&self) -> SessionRef {
+        SessionRef {
+            device: self.device.clone(),
+            instance: self.instance.clone(),
+            session: self.session,
+        }
+    }
+
     /// Whether `other` is the same session.
     pub fn is(&self, other: &Session) -> bool {
         self.instance == other.instance && self.session == other.session
@@ -275,16 +284,15 @@ pub fn replaces(new: &Session, stored: &Session, stored_open: bool) -> bool {
     new.is(stored) || !stored_open || !race || new.rank() > stored.rank()
 }
 
-/// Whether a refresh of `new` writes a device's record that names `stored` (open or not), or
-/// none. A record that is gone is written again; the same session only while it is open (an
-/// ended one stays ended); another session only if `new` connected after it, so a pod with a
-/// stale view (a takeover on its way, a connect it has not heard of) cannot take the record
-/// from a newer session.
-pub fn refreshes(new: &Session, stored: Option<(&Session, bool)>) -> bool {
-    match stored {
-        None => true,
-        Some((stored, open)) if new.is(stored) => open,
-        Some((stored, _)) => new.rank() > stored.rank(),
+/// Whether a refresh of `new` writes a device's record that names `stored` (a record that is
+/// gone is always written again): the same session only while it is open (an ended one stays
+/// ended); another session only if `new` ranks higher, so a pod with a stale view (a takeover
+/// on its way, a connect it has not heard of) cannot take the record from a newer session.
+pub fn refreshes(new: &Session, stored: &Session, stored_open: bool) -> bool {
+    if new.is(stored) {
+        stored_open
+    } else {
+        new.rank() > stored.rank()
     }
 }
 

@@ -8,8 +8,9 @@
 //!   at start-up, and created again when a failed request finds one gone. A key is read from
 //!   the bucket's stream leader (`STREAM.MSG.GET`), never by direct get, which a replica that
 //!   has not applied the last write may answer: a pod reads back what it or any other pod
-//!   just wrote (the clock probe, compare-and-set, the API). Listings read through an ephemeral consumer, which the server may place on a replica: a
-//!   page can miss what was written a moment before (docs/fleet.md, "Known limits").
+//!   just wrote (the clock probe, compare-and-set, the API). Listings read through an ephemeral
+//!   consumer, which the server may place on a replica: a page can miss what was written a
+//!   moment before (docs/fleet.md, "Known limits").
 //! - **Keys.** KV keys take neither `:` nor a `.` at either end, which device ids may hold: a
 //!   device's key escapes `.` as `=2E` and `:` as `=3A` (`=` is no device id character).
 //! - **Clock.** nats-server 2.9 has no per-key TTL, so liveness compares an instance's last beat
@@ -41,7 +42,7 @@ use bytes::Bytes;
 use futures_util::{future::BoxFuture, stream::BoxStream, FutureExt, StreamExt};
 use serde::{Deserialize, Serialize};
 
-use super::{found, is_not_found, unavailable, Inner, RECREATE_AFTER};
+use super::{found, is_not_found, unavailable, Inner, RecreateWait, RECREATE_AFTER};
 use crate::{
     backend::{
         fleet::{
@@ -58,19 +59,19 @@ use crate::{
 const CAS_TRIES: usize = 16;
 /// Messages per fetch of a listing's consumer.
 const FETCH_MAX: usize = 1000;
-/// What a look for a bucket's stream found.
-enum Lookup<'a> {
-    Found,
-    Missing(&'a jetstream::stream::Config),
-    Unknown,
-}
-
 /// At most one look for missing buckets after failures per this (and each no longer).
 const BUCKET_CHECK_EVERY: Duration = Duration::from_secs(1);
 /// A listing consumer whose deletion failed is removed by the server after this.
 const LIST_CONSUMER_IDLE: Duration = Duration::from_secs(10);
 /// Longest listing read.
 const LIST_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// What a look for a bucket's stream found.
+enum Lookup<'a> {
+    Found,
+    Missing(&'a jetstream::stream::Config),
+    Unknown,
+}
 
 /// A device's record as stored (JSON).
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -103,7 +104,7 @@ pub struct NatsFleet {
     /// The buckets' streams as created at start-up, to create again when they are gone.
     bucket_streams: Vec<jetstream::stream::Config>,
     /// Since when a bucket's stream has been found gone.
-    missing_since: Mutex<Option<Instant>>,
+    missing_since: RecreateWait,
     /// When the buckets were last looked for after a failure.
     last_bucket_check: Mutex<Option<Instant>>,
     subject: String,
@@ -235,7 +236,7 @@ impl NatsFleet {
             devices_stream: format!("KV_{stream}_devices"),
             pods_stream: format!("KV_{stream}_pods"),
             bucket_streams,
-            missing_since: Mutex::new(None),
+            missing_since: RecreateWait::default(),
             last_bucket_check: Mutex::new(None),
             subject: format!("{}.fleet.pods", inner.layout.prefix),
             settings,
@@ -289,33 +290,26 @@ impl NatsFleet {
             })
             .collect();
         let all_found = lookups.iter().all(|lookup| matches!(lookup, Lookup::Found));
-        let since = {
-            let mut since = self
-                .missing_since
-                .lock()
-                .unwrap_or_else(|poisoned| poisoned.into_inner());
-            if missing.is_empty() {
-                // Only an answer for every bucket ends a wait: a slow server must not restart it.
-                if all_found {
-                    *since = None;
-                }
-                return;
+        if missing.is_empty() {
+            // Only an answer for every bucket ends a wait: a slow server must not restart it.
+            if all_found {
+                self.missing_since.clear();
             }
-            *since.get_or_insert_with(|| {
-                log::warn!(
-                    "nats: fleet bucket streams gone ({}): their records are lost; creating them \
-                     again in {}s",
-                    missing
-                        .iter()
-                        .map(|config| config.name.as_str())
-                        .collect::<Vec<_>>()
-                        .join(", "),
-                    RECREATE_AFTER.as_secs()
-                );
-                Instant::now()
-            })
-        };
-        if since.elapsed() < RECREATE_AFTER {
+            return;
+        }
+        let due = self.missing_since.due(|| {
+            log::warn!(
+                "nats: fleet bucket streams gone ({}): their records are lost; creating them \
+                 again in {}s",
+                missing
+                    .iter()
+                    .map(|config| config.name.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                RECREATE_AFTER.as_secs()
+            )
+        });
+        if !due {
             return;
         }
         let mut created = 0;
@@ -335,12 +329,8 @@ impl NatsFleet {
                 ),
             }
         }
-        // A later loss waits its own RECREATE_AFTER.
         if created == missing.len() {
-            *self
-                .missing_since
-                .lock()
-                .unwrap_or_else(|poisoned| poisoned.into_inner()) = None;
+            self.missing_since.clear();
         }
     }
 
@@ -809,7 +799,7 @@ fn apply(record: &mut Option<Stored>, change: &PresenceWrite) -> bool {
             if let Some(stored) = record.as_ref() {
                 let open = stored.ended_ms.is_none();
                 let writes = match change {
-                    PresenceWrite::Refresh(_) => refreshes(session, Some((&stored.session, open))),
+                    PresenceWrite::Refresh(_) => refreshes(session, &stored.session, open),
                     _ => replaces(session, &stored.session, open),
                 };
                 if !writes {

@@ -109,8 +109,39 @@ const CATCH_UP_WAIT: Duration = Duration::from_millis(100);
 /// A replay consumer whose deletion failed is removed by the server after this.
 const REPLAY_CONSUMER_IDLE: Duration = Duration::from_secs(10);
 /// How long a stream found gone stays gone before the hub creates it again (see
-/// `Inner::wait_before_recreating`).
+/// [`RecreateWait`]).
 const RECREATE_AFTER: Duration = Duration::from_secs(2);
+
+/// When a stream found gone (the event stream, a fleet bucket's) may be created again.
+/// nats-server 2.9 removes a deleted stream's files in the background: a stream of the same
+/// name created at once can have its first message blocks removed under it, and then loses
+/// acknowledged messages (seen in tests: "error opening msg block file ... 1.blk"). So it is
+/// created again only [`RECREATE_AFTER`] after it was first found gone.
+#[derive(Debug, Default)]
+struct RecreateWait(Mutex<Option<Instant>>);
+
+impl RecreateWait {
+    /// Whether what is gone may be created now; `first_seen` runs when it is first found gone.
+    fn due(&self, first_seen: impl FnOnce()) -> bool {
+        let mut since = self
+            .0
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let since = *since.get_or_insert_with(|| {
+            first_seen();
+            Instant::now()
+        });
+        since.elapsed() >= RECREATE_AFTER
+    }
+
+    /// Created again, or found there after all: a later loss waits its own time.
+    fn clear(&self) {
+        *self
+            .0
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner()) = None;
+    }
+}
 
 /// The validated `[nats]` section plus the idempotency window of `[publish]`.
 #[derive(Debug, Clone)]
@@ -134,7 +165,7 @@ struct Inner {
     /// The stream's epoch as last seen; stamped on the cursors of appends.
     epoch: Mutex<Epoch>,
     /// Since when the stream is known to be gone, until it is created again.
-    missing_since: Mutex<Option<Instant>>,
+    missing_since: RecreateWait,
 }
 
 /// A message read from a stream's leader (`STREAM.MSG.GET`), `None` where the stream has no
@@ -178,7 +209,7 @@ impl NatsBackend {
             jetstream,
             // Replaced below, before anything reads it.
             epoch: Mutex::new(layout::epoch_of(0)),
-            missing_since: Mutex::new(None),
+            missing_since: RecreateWait::default(),
         };
         let info = inner.adopt_or_create_stream().await?;
         supersede::ensure(&inner.jetstream, &inner.layout, &inner.settings).await?;
@@ -346,10 +377,7 @@ impl Inner {
                 let info = self
                     .create_stream(wanted_stream(&self.layout, &self.settings))
                     .await?;
-                *self
-                    .missing_since
-                    .lock()
-                    .unwrap_or_else(|poisoned| poisoned.into_inner()) = None;
+                self.missing_since.clear();
                 info
             }
             Err(error) => return Err(unavailable("stream info", error)),
@@ -358,25 +386,17 @@ impl Inner {
         Ok(info)
     }
 
-    /// nats-server 2.9 removes a deleted stream's files in the background: a stream of the same
-    /// name created at once can have its first message blocks removed under it, and then loses
-    /// acknowledged messages (seen in tests: "error opening msg block file ... 1.blk"). So a
-    /// stream found gone is created again only [`RECREATE_AFTER`] later; until then callers see
-    /// the backend as unavailable.
+    /// A stream found gone is created again only once its [`RecreateWait`] is over; until then
+    /// callers see the backend as unavailable.
     fn wait_before_recreating(&self) -> BackendResult<()> {
-        let mut missing = self
-            .missing_since
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
-        let since = *missing.get_or_insert_with(|| {
+        let due = self.missing_since.due(|| {
             log::warn!(
                 "nats: stream {} is gone: its events are lost; creating it again in {}s",
                 self.layout.stream,
                 RECREATE_AFTER.as_secs()
-            );
-            Instant::now()
+            )
         });
-        if since.elapsed() < RECREATE_AFTER {
+        if !due {
             return Err(BackendError::unavailable(format!(
                 "nats: stream {} is gone and is created again shortly",
                 self.layout.stream
