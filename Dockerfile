@@ -1,8 +1,11 @@
 # posthorn container image.
 #
-# NOTE: there is no Docker engine on the development machine this file was written on, so this
-# Dockerfile has not been built there. It is kept deliberately plain; build it with
 #   docker build -t posthorn .
+# compiles the hub (stage `build`) and puts it into the runtime image (the last stage, `runtime`).
+# tests/container.rs builds the target `runtime-prebuilt` instead, with podman, around the binary
+# the test suite has just compiled, and runs that image's own binary, user, configuration and
+# HEALTHCHECK; it also checks that this file copies every workspace member (the `build` stage
+# itself is not run by the tests).
 #
 # Configuration is by environment: every key of config/posthorn.toml can be overridden with
 # POSTHORN_<SECTION>__<KEY> (e.g. POSTHORN_SSE__QUEUE_LIMIT=100). See docs/operations.md.
@@ -34,8 +37,10 @@ RUN touch src/main.rs src/lib.rs client/src/lib.rs \
     && cargo build --release --locked \
     && install -m 0755 target/release/posthorn /usr/local/bin/posthorn
 
-# ---- runtime -------------------------------------------------------------------------------
-FROM debian:bookworm-slim
+# ---- runtime-base: everything of the runtime image but the binary ----------------------------
+# Shared by the two ways of getting the binary below, so that the image the tests run is this
+# image, not a copy of its settings.
+FROM debian:bookworm-slim AS runtime-base
 
 # ca-certificates for TLS backends (rediss://); curl for the HEALTHCHECK below.
 RUN apt-get update \
@@ -43,7 +48,6 @@ RUN apt-get update \
     && rm -rf /var/lib/apt/lists/* \
     && useradd --system --uid 10001 --no-create-home --shell /usr/sbin/nologin posthorn
 
-COPY --from=build /usr/local/bin/posthorn /usr/local/bin/posthorn
 COPY config/posthorn.toml /etc/posthorn/posthorn.toml
 
 # Listen on all interfaces inside the container.
@@ -74,3 +78,17 @@ HEALTHCHECK --interval=10s --timeout=3s --start-period=5s --retries=3 \
 
 ENTRYPOINT ["/usr/local/bin/posthorn"]
 CMD ["serve", "--config", "/etc/posthorn/posthorn.toml"]
+
+# ---- runtime-prebuilt: the runtime image around a binary compiled outside Docker -------------
+# For a binary built on Debian 12 (bookworm's glibc), taken from the build context named
+# `prebuilt`, so that the main context stays this repository:
+#   docker build --target runtime-prebuilt --build-context prebuilt=target/release -t posthorn .
+# A default build never reaches this stage: BuildKit (docker's builder since Docker 23) and
+# podman build only what the target needs. The legacy builder (DOCKER_BUILDKIT=0) would build
+# it and fail for want of the `prebuilt` context.
+FROM runtime-base AS runtime-prebuilt
+COPY --from=prebuilt posthorn /usr/local/bin/posthorn
+
+# ---- runtime: the default target, the binary from the build stage --------------------------
+FROM runtime-base AS runtime
+COPY --from=build /usr/local/bin/posthorn /usr/local/bin/posthorn
