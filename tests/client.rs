@@ -171,6 +171,8 @@ async fn hub_restart_loses_nothing_and_duplicates_nothing() {
     let lines = tail.wait_lines(30).await;
     let expected: Vec<String> = (0..30).map(|i| i.to_string()).collect();
     assert_eq!(data_column(&lines), expected, "stderr:\n{}", tail.stderr());
+    // A duration, not a synchronisation: a duplicate would follow at once, so nothing more may
+    // be printed within 300 ms.
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(
         tail.stdout().lines().count(),
@@ -311,6 +313,7 @@ async fn refusal_stops_the_client() {
 async fn failures_back_off_with_a_floor() {
     let port = support::free_port();
     let tail = Tail::start(&format!("http://127.0.0.1:{port}"), "pos-1", &[]);
+    // A duration, not a synchronisation: the attempts of 4 s are counted.
     tokio::time::sleep(Duration::from_secs(4)).await;
     let err = tail.stderr();
     let delays = reconnect_delays(&err);
@@ -395,7 +398,16 @@ async fn persisted_cursors_are_acknowledged_at_most_once_per_second() {
     let quiet = Tail::spawn(&hub.base_url(), "pos-quiet", &["--no-ack"], true);
     quiet.wait_stderr("connected").await;
     publish(&hub, "pos-quiet", "x").await;
-    quiet.wait_lines(1).await;
+    let lines = quiet.wait_lines(1).await;
+    // Persisted: with acks on, this is what would be acknowledged.
+    let id = lines[0].split('\t').next().unwrap().to_string();
+    let cursor = Tail::cursor_path(&quiet.dir);
+    support::wait_until(WAIT, "the quiet tail persisted its cursor", async || {
+        std::fs::read_to_string(&cursor).is_ok_and(|stored| stored.trim() == id)
+    })
+    .await;
+    // A duration, not a synchronisation: more than the ack interval (1 s) must pass without an
+    // ack.
     tokio::time::sleep(Duration::from_millis(1500)).await;
     let record = http::get(hub.addr(), "/v1/devices/pos-quiet").await.json();
     assert_eq!(record["acked_id"], serde_json::Value::Null, "{record}");

@@ -248,9 +248,7 @@ async fn publish_acked(js: &jetstream::Context, n: usize) -> Duration {
 #[tokio::test]
 async fn nats_cluster_forms_and_names_its_nodes() {
     let started = Instant::now();
-    let Some(cluster) = NatsCluster::start(3).await else {
-        return;
-    };
+    let cluster = NatsCluster::start(3).await;
     let formed = started.elapsed();
     assert_eq!(cluster.node_count(), 3);
     let urls = cluster.server_urls();
@@ -306,9 +304,7 @@ async fn nats_cluster_forms_and_names_its_nodes() {
 /// and once the node restarts with its store the stream reports three current replicas again.
 #[tokio::test]
 async fn nats_cluster_r3_stream_survives_a_killed_node() {
-    let Some(mut cluster) = NatsCluster::start(3).await else {
-        return;
-    };
+    let mut cluster = NatsCluster::start(3).await;
     let mut stream = cluster
         .create_replicated_stream(stream::Config {
             name: "EVENTS".into(),
@@ -378,9 +374,7 @@ async fn nats_cluster_r3_stream_survives_a_killed_node() {
 /// one `nats.url`) would.
 #[tokio::test]
 async fn nats_cluster_single_url_client_fails_over_to_discovered_nodes() {
-    let Some(mut cluster) = NatsCluster::start(3).await else {
-        return;
-    };
+    let mut cluster = NatsCluster::start(3).await;
     cluster
         .create_replicated_stream(stream::Config {
             name: "EVENTS".into(),

@@ -80,7 +80,7 @@ impl std::ops::Deref for Pod {
 }
 
 impl Env {
-    async fn start(kind: Kind, scenario: &'static str) -> Option<Env> {
+    async fn start(kind: Kind, scenario: &'static str) -> Env {
         let servers = match kind {
             Kind::Memory => Servers::Memory(None),
             // AOF: a restart keeps what was written.
@@ -88,14 +88,14 @@ impl Env {
                 Servers::Redis(RedisServer::builder().appendonly(true).start().await)
             }
             Kind::RedisCluster => Servers::Cluster(RedisCluster::start_persistent(3).await),
-            Kind::Nats => Servers::Nats(NatsServer::start().await?),
-            Kind::NatsCluster => Servers::NatsCluster(NatsCluster::start(3).await?, 0),
+            Kind::Nats => Servers::Nats(NatsServer::start().await),
+            Kind::NatsCluster => Servers::NatsCluster(NatsCluster::start(3).await, 0),
         };
-        Some(Env {
+        Env {
             kind,
             servers,
             scenario,
-        })
+        }
     }
 
     /// Says on stderr which part of the scenario does not apply to this store.
@@ -579,6 +579,8 @@ pub async fn an_instance_that_stops_beating_goes_offline_after_ttl(env: &mut Env
         .expect("read")
         .expect("known");
     assert!(record.online, "online right after a beat: {record:?}");
+    // Durations, not synchronisations: a third of the ttl passes (still online), then more than
+    // the rest of it (offline).
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert!(
         reader
@@ -682,6 +684,7 @@ pub async fn retention_forgets(env: &mut Env) {
         Some(copies.clone())
     );
     let deadline = tokio::time::Instant::now() + Duration::from_secs(2) + WAIT;
+    // A duration, not a synchronisation: the retention (2 s) elapses before the polling starts.
     tokio::time::sleep(Duration::from_millis(2100)).await;
     loop {
         // Memory forgets on access; others expire on their own (NATS checks max age in rounds).
@@ -1221,9 +1224,7 @@ macro_rules! fleet_store {
             use super::{Env, Kind};
 
             async fn run(kind: Kind) {
-                let Some(mut env) = Env::start(kind, stringify!($scenario)).await else {
-                    return;
-                };
+                let mut env = Env::start(kind, stringify!($scenario)).await;
                 super::$scenario(&mut env).await;
             }
 

@@ -127,12 +127,8 @@ async fn everything_works_over_https() {
     .await;
     assert_eq!(preflight.status, 204);
     assert!(preflight.header("access-control-allow-methods").is_some());
-    let metrics = https_request(hub.addr(), ca, "GET", "/metrics", &[], None).await;
-    assert!(
-        metrics.text().contains("sse_connections 1"),
-        "{}",
-        metrics.text()
-    );
+    // The one stream opened above, the `notices` over TLS.
+    assert_eq!(https_metric(&hub, ca, "sse_connections").await, 1.0);
 
     // A client that does not speak TLS gets no HTTP answer.
     let plain = support::http::try_request(

@@ -22,9 +22,7 @@ use support::nats_cluster::NatsCluster;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_append_is_read_back_at_once_through_any_node() {
-    let Some(cluster) = NatsCluster::start(3).await else {
-        return;
-    };
+    let cluster = NatsCluster::start(3).await;
     let mut backends = Vec::new();
     for node in 0..3 {
         let mut config = Config::default();

@@ -150,8 +150,21 @@ async fn shutdown_does_not_wait_for_a_blocked_read() {
         .env("POSTHORN_REDIS__BLOCK", "30s")
         .start()
         .await;
-    // Let the tail enter its blocking read.
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // The tail is in its blocking read once Redis lists a client blocked (flag `b`) in XREAD.
+    let mut admin = redis.client().await;
+    support::wait_until(WAIT, "the tail blocked in XREAD", async || {
+        let clients = admin.cmd(&["CLIENT", "LIST"]).await;
+        clients.as_str().is_some_and(|text| {
+            text.lines().any(|client| {
+                let fields: Vec<&str> = client.split(' ').collect();
+                fields.contains(&"cmd=xread")
+                    && fields
+                        .iter()
+                        .any(|field| field.starts_with("flags=") && field.contains('b'))
+            })
+        })
+    })
+    .await;
     let started = std::time::Instant::now();
     hub.signal("TERM");
     let status = hub
@@ -289,7 +302,8 @@ async fn a_stream_that_aged_out_goes_on_without_resync() {
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    // Past the tail's periodic check (every 2 s) with nothing stored.
+    // A duration, not a synchronisation: more than one period of the tail's check (every 2 s)
+    // must pass with nothing stored, and nothing outside the hub tells a check from an empty read.
     tokio::time::sleep(Duration::from_secs(3)).await;
     publish_to(&hub, device, "e2").await;
     let next = client.expect_event(WAIT).await;
@@ -322,6 +336,7 @@ async fn every_outage_is_counted_as_a_reconnect() {
             .await
             .value_or_zero("redis_tail_reconnects_total", &[("group", "0")]);
         redis.stop().await;
+        // The outage's length, different each time: a duration, not a synchronisation.
         tokio::time::sleep(Duration::from_millis(300 * outage)).await;
         redis.start_again().await;
         let data = format!("after outage {outage}");
@@ -378,7 +393,12 @@ async fn entries_trimmed_during_an_outage_give_resync() {
             "CLIENT", "KILL", "TYPE", "normal", "USER", "default", "SKIPME", "yes",
         ])
         .await;
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // The entries below must come while the tail cannot read: once its read was refused.
+    support::wait_until(WAIT, "the tail refused its XREAD", async || {
+        let status = http::get(hub.addr(), "/admin/status").await.json();
+        status["tails"][0]["state"] == "retrying"
+    })
+    .await;
     let key = format!("pos-ev:{}", crc_shard("pos-4", 64));
     for i in 0..5 {
         producer
@@ -721,6 +741,8 @@ async fn one_pod_at_a_time_trims_and_hands_over_when_it_stops() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     };
     let second = pod().start().await;
+    // A duration, not a synchronisation: the second pod tries to trim every 3 s, so within 4 s
+    // it has tried at least once, and the lease must still be the first pod's.
     tokio::time::sleep(Duration::from_secs(4)).await;
     assert_eq!(
         holder(admin.cmd(&["GET", "pos-ev:trim-lease"]).await).as_deref(),

@@ -169,6 +169,21 @@ impl FaultKind {
         }
     }
 
+    /// Whether it takes acknowledged entries away from the hubs for sure (the failover only
+    /// loses what was not replicated yet, which may be nothing): devices on the struck data then
+    /// get a `resync`.
+    pub fn loses_data(self) -> bool {
+        matches!(
+            self,
+            FaultKind::RedisRestartEmpty
+                | FaultKind::RedisRollback
+                | FaultKind::RedisFlushAll
+                | FaultKind::RedisDelStream
+                | FaultKind::NatsStreamDelete
+                | FaultKind::NatsRestartEmpty
+        )
+    }
+
     pub fn applicable(backend: BackendKind) -> Vec<FaultKind> {
         Self::ALL
             .into_iter()
@@ -337,16 +352,12 @@ impl System {
                 (Backend::RedisCluster(cluster), builder)
             }
             BackendKind::Nats => {
-                let nats = NatsServer::start()
-                    .await
-                    .expect("nats-server is needed for the NATS chaos run");
+                let nats = NatsServer::start().await;
                 let builder = nats_hub(nats.url());
                 (Backend::Nats(nats), builder)
             }
             BackendKind::NatsCluster => {
-                let cluster = NatsCluster::start(3)
-                    .await
-                    .expect("nats-server is needed for the NATS cluster chaos run");
+                let cluster = NatsCluster::start(3).await;
                 let builder = nats_hub(cluster.urls()).env("POSTHORN_NATS__REPLICAS", "3");
                 (Backend::NatsCluster(cluster), builder)
             }

@@ -19,7 +19,10 @@
 //!
 //! - Short runs, one per topology but `redis-rdb`, fixed seeds, each kind of the topology once
 //!   (the cluster runs: two failovers or node kills, and no hub faults), 2 to 3.5 s apart; they
-//!   assert that there is no violation. `cargo test --test chaos -- --nocapture` runs them one
+//!   assert that there is no violation, and that the run did its work: every scheduled fault
+//!   injected, a `resync` after each fault that loses data, a stream opened by every device, and
+//!   floors of publishes acknowledged, events checked and streams opened ([`Floors`]), so that
+//!   a system that refuses everything fails. `cargo test --test chaos -- --nocapture` runs them one
 //!   after the other (plus the unit tests) in about 95 s on the 2-core machine: `redis` 30 s,
 //!   `redis-cluster` 23 s (2 s to start the cluster), `nats` 24 s, `nats-cluster` 19 s (4 s to
 //!   start); up to 10 s more each if devices miss events (the quiet period).
@@ -59,12 +62,42 @@ use std::time::Duration;
 
 use checker::Report;
 use faults::{BackendKind, FaultKind};
+use history::{Observation, Outcome, Via};
 use scenario::{Plan, RunResult};
 
 const SHORT_REDIS_SEED: u64 = 0x00c4_a05e_0001;
 const SHORT_NATS_SEED: u64 = 0x00c4_a05e_0002;
 const SHORT_REDIS_CLUSTER_SEED: u64 = 0x00c4_a05e_0003;
 const SHORT_NATS_CLUSTER_SEED: u64 = 0x00c4_a05e_0004;
+
+// The floors of the short runs: about a quarter of the least that three runs on the shared
+// 2-core machine did (publishes acknowledged by the hubs / events checked / streams opened, as
+// each run prints them): `redis` 2045 / 3269 / 85, `nats` 1722 / 2660 / 83, `redis-cluster`
+// 923 / 1526 / 50, `nats-cluster` 689 / 1138 / 46; streams at about half, as 16 devices each
+// open one at the start and only some reconnect. Publishing is paced, so a loaded machine
+// lowers these little; hubs that refuse every publish leave about none acknowledged (a test
+// run with every event over `limits.max_event_bytes`: 0, and 284 events checked, all from the
+// external producers).
+const SHORT_REDIS_FLOORS: Floors = Floors {
+    acked: 500,
+    checked: 800,
+    streams: 24,
+};
+const SHORT_NATS_FLOORS: Floors = Floors {
+    acked: 400,
+    checked: 600,
+    streams: 24,
+};
+const SHORT_REDIS_CLUSTER_FLOORS: Floors = Floors {
+    acked: 250,
+    checked: 400,
+    streams: 24,
+};
+const SHORT_NATS_CLUSTER_FLOORS: Floors = Floors {
+    acked: 150,
+    checked: 250,
+    streams: 24,
+};
 
 /// The scenarios share two cores with everything they start: one at a time.
 static SERIAL: Mutex<()> = Mutex::new(());
@@ -161,6 +194,124 @@ fn assert_clean(results: &[(&Report, String)]) {
     );
 }
 
+/// What a short run must at least have done besides finding no violation, so that a system that
+/// refuses every request (nothing acknowledged, delivered or checked) cannot pass. Besides these
+/// floors, every scheduled fault must have been injected, every device must have opened a stream,
+/// and each fault that loses data must have been followed by a `resync`.
+#[derive(Clone, Copy, Debug)]
+struct Floors {
+    /// Publishes through the hubs answered 201 with an id.
+    acked: u64,
+    /// Events devices processed that the checker verified.
+    checked: u64,
+    /// Stream requests answered 200, over all devices and reconnects.
+    streams: u64,
+}
+
+/// Everything a short run fell short of (see [`Floors`]), one line each.
+fn shortfalls(plan: &Plan, result: &RunResult, floors: Floors) -> Vec<String> {
+    let (history, report) = (&result.history, &result.report);
+    let mut missing = Vec::new();
+    let mut kinds: Vec<FaultKind> = Vec::new();
+    for kind in &plan.kinds {
+        if !kinds.contains(kind) {
+            kinds.push(*kind);
+        }
+    }
+    for kind in kinds {
+        let scheduled = plan.kinds.iter().filter(|k| **k == kind).count();
+        let injected = history
+            .faults
+            .iter()
+            .filter(|f| f.kind == kind.label())
+            .count();
+        // One deck of `plan.kinds` is the whole schedule: each entry is struck once.
+        if injected != scheduled {
+            missing.push(format!(
+                "{} injected {injected} times, scheduled {scheduled}",
+                kind.label()
+            ));
+        }
+    }
+    // Any time after the fault: the hub may notice a loss only once the next fault has begun
+    // (a NATS restarted empty, then a stream deletion that finds no stream to delete), and the
+    // report counts a resync for the fault in force when it came.
+    let losses = history.faults.iter().filter(|fault| {
+        FaultKind::ALL
+            .iter()
+            .any(|k| k.label() == fault.kind && k.loses_data())
+    });
+    for fault in losses {
+        let resyncs = history
+            .devices
+            .iter()
+            .flat_map(|d| &d.observations)
+            .filter(|o| o.at >= fault.started && matches!(o.what, Observation::Resync { .. }))
+            .count();
+        if resyncs == 0 {
+            missing.push(format!(
+                "no resync after {} at {}, which loses data",
+                fault.kind,
+                history::show_time(fault.started)
+            ));
+        }
+    }
+    let acked = history
+        .attempts
+        .iter()
+        .filter(|a| a.via == Via::Http && matches!(a.outcome, Outcome::Acked { .. }))
+        .count() as u64;
+    if acked < floors.acked {
+        missing.push(format!(
+            "{acked} publishes acknowledged by the hubs, expected {} or more",
+            floors.acked
+        ));
+    }
+    if report.events_checked < floors.checked {
+        missing.push(format!(
+            "{} events checked, expected {} or more",
+            report.events_checked, floors.checked
+        ));
+    }
+    let opened = |device: &history::DeviceHistory| {
+        device
+            .observations
+            .iter()
+            .filter(|o| {
+                matches!(
+                    o.what,
+                    Observation::Connected {
+                        status: Some(200),
+                        ..
+                    }
+                )
+            })
+            .count() as u64
+    };
+    let streams: u64 = history.devices.iter().map(opened).sum();
+    println!(
+        "short run floors: acked by the hubs {acked} (floor {}), checked {} (floor {}), streams \
+         opened {streams} (floor {})",
+        floors.acked, report.events_checked, floors.checked, floors.streams
+    );
+    if streams < floors.streams {
+        missing.push(format!(
+            "{streams} streams opened (200), expected {} or more",
+            floors.streams
+        ));
+    }
+    let never: Vec<&str> = history
+        .devices
+        .iter()
+        .filter(|d| opened(d) == 0)
+        .map(|d| d.device.as_str())
+        .collect();
+    if !never.is_empty() {
+        missing.push(format!("devices that never opened a stream: {never:?}"));
+    }
+    missing
+}
+
 /// A short run: one deck of `kinds` (every kind of the topology once, unless given), then
 /// `settle` and the quiet period; bounded by `limit` if the faults take longer.
 fn short_plan(backend: BackendKind, seed: u64, kinds: Option<Vec<FaultKind>>) -> Plan {
@@ -174,13 +325,19 @@ fn short_plan(backend: BackendKind, seed: u64, kinds: Option<Vec<FaultKind>>) ->
     plan
 }
 
-fn short_run(plan: Plan, test: &str) {
+fn short_run(plan: Plan, test: &str, floors: Floors) {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let result = execute(&plan);
-    assert_clean(&[(
-        &result.report,
-        format!("cargo test --test chaos {test} -- --nocapture"),
-    )]);
+    let replay = format!("cargo test --test chaos {test} -- --nocapture");
+    assert_clean(&[(&result.report, replay.clone())]);
+    let missing = shortfalls(&plan, &result, floors);
+    assert!(
+        missing.is_empty(),
+        "the chaos run ({}, seed {}) did too little to count:\n{}\nreplay: {replay}",
+        plan.backend.label(),
+        plan.seed,
+        missing.join("\n")
+    );
 }
 
 #[test]
@@ -188,6 +345,7 @@ fn short_run_redis() {
     short_run(
         short_plan(BackendKind::Redis, SHORT_REDIS_SEED, None),
         "short_run_redis",
+        SHORT_REDIS_FLOORS,
     );
 }
 
@@ -196,6 +354,7 @@ fn short_run_nats() {
     short_run(
         short_plan(BackendKind::Nats, SHORT_NATS_SEED, None),
         "short_run_nats",
+        SHORT_NATS_FLOORS,
     );
 }
 
@@ -214,6 +373,7 @@ fn short_run_redis_cluster() {
             Some(kinds),
         ),
         "short_run_redis_cluster",
+        SHORT_REDIS_CLUSTER_FLOORS,
     );
 }
 
@@ -227,6 +387,7 @@ fn short_run_nats_cluster() {
             Some(kinds),
         ),
         "short_run_nats_cluster",
+        SHORT_NATS_CLUSTER_FLOORS,
     );
 }
 

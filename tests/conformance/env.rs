@@ -139,9 +139,8 @@ pub struct Env {
 }
 
 impl Env {
-    /// Starts the servers of `kind` (none for memory); `None` when `nats-server` is not
-    /// installed outside CI (the harness says so on stderr; under `CI=true` it panics).
-    pub async fn start(kind: Kind, scenario: &'static str) -> Option<Env> {
+    /// Starts the servers of `kind` (none for memory); panics when their binary is not installed.
+    pub async fn start(kind: Kind, scenario: &'static str) -> Env {
         let servers = match kind {
             Kind::Memory => Servers::Memory,
             // AOF, so that an outage keeps what was acknowledged; a loss removes the files.
@@ -151,14 +150,14 @@ impl Env {
             Kind::RedisCluster => {
                 Servers::Cluster(RedisCluster::start_persistent(CLUSTER_MASTERS).await)
             }
-            Kind::Nats => Servers::Nats(NatsServer::start().await?),
+            Kind::Nats => Servers::Nats(NatsServer::start().await),
         };
-        Some(Env {
+        Env {
             kind,
             servers,
             scenario,
             parts: Vec::new(),
-        })
+        }
     }
 
     pub fn kind(&self) -> Kind {

@@ -74,6 +74,20 @@ pub async fn publish_to(hub: &Hub, device: &str, data: &str) -> String {
         .to_string()
 }
 
+/// Polls `check` every 50 ms until it holds; panics naming `what` once `timeout` has passed. For
+/// a test that waits for something to have happened (a stream registered, a tail blocked in its
+/// read, a drain under way) rather than for time to pass.
+pub async fn wait_until(timeout: Duration, what: &str, mut check: impl AsyncFnMut() -> bool) {
+    let deadline = tokio::time::Instant::now() + timeout;
+    while !check().await {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "not within {timeout:?}: {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// A fresh directory under the system temp dir for one server's files (`kind` names the server).
 pub fn unique_temp_dir(kind: &str) -> std::path::PathBuf {
     use std::sync::atomic::{AtomicU64, Ordering};

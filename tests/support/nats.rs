@@ -7,9 +7,10 @@
 //! `nats.log`; dropping it SIGKILLs and reaps the process, prints the log tail if the test is
 //! panicking, and removes the directory (kept with `POSTHORN_TEST_KEEP_LOGS` set).
 //!
-//! A missing `nats-server` binary fails the test under `CI=true` (a NATS test that passes
-//! without NATS proves nothing there); elsewhere [`NatsServer::start`] returns `None` and the
-//! test returns early after saying so on stderr.
+//! The binary is `nats-server` on PATH, in /usr/sbin or in /usr/local/bin, or the file that
+//! `POSTHORN_TEST_NATS_SERVER` names (which is then the only place looked at: setting it to a
+//! path that does not exist shows what a machine without NATS does). A missing binary is always
+//! a panic naming the Debian package: a NATS test that passes without NATS proves nothing.
 //!
 //! The nodes of a [`super::nats_cluster::NatsCluster`] are `NatsServer`s too, started from a
 //! configuration file instead of flags; so is a server made by [`NatsServer::builder`] with TLS
@@ -38,6 +39,8 @@ const LOG_TAIL_BYTES: usize = 32 * 1024;
 /// Attempts when a port from [`free_port`] was taken in the meantime.
 const PORT_ATTEMPTS: usize = 3;
 const KEEP_LOGS_VAR: &str = "POSTHORN_TEST_KEEP_LOGS";
+/// Names the binary to run instead of looking for it.
+const BINARY_VAR: &str = "POSTHORN_TEST_NATS_SERVER";
 /// What nats-server logs once it accepts clients (after JetStream has started).
 const READY_LINE: &str = "Server is ready";
 
@@ -88,10 +91,10 @@ impl NatsServerBuilder {
         self
     }
 
-    /// Starts the server on a free port and waits until its log says it is ready; `None` when
-    /// `nats-server` is not installed and `CI` is not `true` (see [`NatsServer::start`]).
-    pub async fn start(self) -> Option<NatsServer> {
-        let binary = binary()?;
+    /// Starts the server on a free port and waits until its log says it is ready; panics when
+    /// `nats-server` is not installed.
+    pub async fn start(self) -> NatsServer {
+        let binary = binary();
         let dir = super::unique_temp_dir("nats");
         let mut server = NatsServer {
             child: None,
@@ -115,7 +118,7 @@ impl NatsServerBuilder {
             std::fs::write(&path, text).unwrap_or_else(|e| panic!("write {}: {e}", path.display()));
             server.spawn(attempt == 1);
             match server.wait_ready().await {
-                Ok(()) => return Some(server),
+                Ok(()) => return server,
                 Err(status) => {
                     if server.log().contains("address already in use") && attempt < PORT_ATTEMPTS {
                         continue;
@@ -132,10 +135,10 @@ impl NatsServerBuilder {
 }
 
 impl NatsServer {
-    /// Starts a server on a free port and waits until JetStream answers; `None` (after a note
-    /// on stderr) when `nats-server` is not installed and `CI` is not `true`.
-    pub async fn start() -> Option<NatsServer> {
-        let binary = binary()?;
+    /// Starts a server on a free port and waits until JetStream answers; panics when
+    /// `nats-server` is not installed.
+    pub async fn start() -> NatsServer {
+        let binary = binary();
         let mut server = NatsServer {
             child: None,
             binary,
@@ -150,7 +153,7 @@ impl NatsServer {
             server.port = free_port();
             server.spawn(attempt == 1);
             match server.wait_ready().await {
-                Ok(()) => return Some(server),
+                Ok(()) => return server,
                 Err(status) => {
                     if server.log().contains("address already in use") && attempt < PORT_ATTEMPTS {
                         continue;
@@ -453,27 +456,31 @@ impl Drop for NatsServer {
     }
 }
 
-/// Resolves `nats-server` on PATH (or /usr/sbin, where Debian puts it and a non-root PATH may
-/// not look). Missing: a panic under `CI=true`, otherwise `None` and a note on stderr.
-pub(super) fn binary() -> Option<PathBuf> {
+/// Resolves `nats-server`: the file [`BINARY_VAR`] names, or else the first on PATH, in
+/// /usr/sbin (where Debian puts it and a non-root PATH may not look) or in /usr/local/bin.
+/// Missing: a panic, under CI or not, so that no NATS test passes without NATS.
+pub(super) fn binary() -> PathBuf {
+    if let Some(named) = std::env::var_os(BINARY_VAR) {
+        let path = PathBuf::from(named);
+        assert!(
+            path.is_file(),
+            "{BINARY_VAR}={} names no file; unset it to look for {SERVER_BIN} on PATH, or install \
+             the Debian package nats-server (scripts/test does it)",
+            path.display()
+        );
+        return path;
+    }
     let path = std::env::var_os("PATH").unwrap_or_default();
-    let found = std::env::split_paths(&path)
+    std::env::split_paths(&path)
         .chain([PathBuf::from("/usr/sbin"), PathBuf::from("/usr/local/bin")])
         .map(|dir| dir.join(SERVER_BIN))
-        .find(|candidate| candidate.is_file());
-    match found {
-        Some(path) => Some(path),
-        None if std::env::var("CI").as_deref() == Ok("true") => {
-            panic!("{SERVER_BIN} not found; scripts/test installs it")
-        }
-        None => {
-            eprintln!(
-                "skipping: {SERVER_BIN} not found on PATH; install the Debian package \
-                 nats-server (scripts/test does it)"
-            );
-            None
-        }
-    }
+        .find(|candidate| candidate.is_file())
+        .unwrap_or_else(|| {
+            panic!(
+                "{SERVER_BIN} not found on PATH, in /usr/sbin or in /usr/local/bin; install the \
+                 Debian package nats-server (scripts/test does it)"
+            )
+        })
 }
 
 /// NATS headers from name/value pairs.

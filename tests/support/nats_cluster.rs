@@ -15,8 +15,8 @@
 //! learns the other nodes from the server's `connect_urls` when it connects and fails over to
 //! them.
 //!
-//! Like [`NatsServer::start`], [`NatsCluster::start`] returns `None` when `nats-server` is not
-//! installed and `CI` is not `true`.
+//! Like [`NatsServer::start`], [`NatsCluster::start`] panics when `nats-server` is not
+//! installed.
 
 use std::collections::HashSet;
 use std::net::{Ipv4Addr, SocketAddr};
@@ -65,15 +65,14 @@ pub struct NatsCluster {
 
 impl NatsCluster {
     /// Starts `nodes` clustered `nats-server -js` processes routed to each other and waits
-    /// until JetStream is usable cluster-wide; `None` (after a note on stderr) when
-    /// `nats-server` is not installed and `CI` is not `true`. Panics (with every node's log)
-    /// if a node exits or the cluster does not form within 30 s.
-    pub async fn start(nodes: usize) -> Option<NatsCluster> {
+    /// until JetStream is usable cluster-wide. Panics when `nats-server` is not installed, and
+    /// (with every node's log) if a node exits or the cluster does not form within 30 s.
+    pub async fn start(nodes: usize) -> NatsCluster {
         assert!(
             nodes >= 2,
             "a cluster needs at least two nodes; use NatsServer for one"
         );
-        let binary = nats::binary()?;
+        let binary = nats::binary();
         let mut used = HashSet::new();
         let ports: Vec<NodePorts> = (0..nodes).map(|_| fresh_ports(&mut used)).collect();
         let nodes: Vec<NatsServer> = ports
@@ -112,7 +111,7 @@ impl NatsCluster {
                 );
             }
             let why = match cluster.formed().await {
-                Ok(()) => return Some(cluster),
+                Ok(()) => return cluster,
                 Err(why) => why,
             };
             if Instant::now() >= deadline {
