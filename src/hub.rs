@@ -175,9 +175,10 @@ async fn build_fleet_store(
     let settings = FleetSettings {
         ttl: config.presence.ttl,
         retention: config.presence.retention,
+        broadcast_retention: config.backend_choice().retention(),
     };
     Ok(Some(match backend {
-        BuiltBackend::Memory(_) => Arc::new(MemoryFleet::new(settings)),
+        BuiltBackend::Memory(_) => Arc::new(MemoryFleet::new(settings, config.memory.max_len)),
         BuiltBackend::Redis(redis) => {
             Arc::new(redis.fleet(settings).await.map_err(ServeError::Backend)?)
         }

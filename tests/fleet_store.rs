@@ -37,6 +37,7 @@ const WAIT: Duration = Duration::from_secs(20);
 const SETTINGS: FleetSettings = FleetSettings {
     ttl: Duration::from_secs(10),
     retention: Duration::from_secs(600),
+    broadcast_retention: Duration::from_secs(600),
 };
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -112,7 +113,7 @@ impl Env {
         match &mut self.servers {
             Servers::Memory(store) => {
                 let store = store
-                    .get_or_insert_with(|| Arc::new(MemoryFleet::new(settings)))
+                    .get_or_insert_with(|| Arc::new(MemoryFleet::new(settings, 10_000)))
                     .clone();
                 Pod {
                     store,
@@ -538,7 +539,11 @@ pub async fn a_refresh_never_undoes_a_later_connect(env: &mut Env) {
     let record = read().await;
     assert!(record.online, "{record:?}");
     assert_eq!(names(&record), ("inst-a".into(), 2));
-    assert_eq!(record.last_sent, None, "a new session's record");
+    assert_eq!(
+        record.last_sent,
+        Some(sent.clone()),
+        "a new session keeps the last sent id until it sends something"
+    );
 
     // A record an ack made (no session): the refresh writes the session, the ack stays.
     let acked = device("pos-refresh-acked");
@@ -563,6 +568,7 @@ pub async fn an_instance_that_stops_beating_goes_offline_after_ttl(env: &mut Env
     let settings = FleetSettings {
         ttl: Duration::from_millis(1500),
         retention: Duration::from_secs(600),
+        broadcast_retention: Duration::from_secs(600),
     };
     let pod = env.pod(settings).await;
     let reader = env.pod(settings).await;
@@ -664,11 +670,13 @@ pub async fn an_unknown_device_is_none(env: &mut Env) {
     );
 }
 
-/// Records and broadcast copies not written for `retention` are forgotten.
+/// Records not written for `retention` and broadcast copies not written for
+/// `broadcast_retention` (here shorter) are forgotten.
 pub async fn retention_forgets(env: &mut Env) {
     let settings = FleetSettings {
         ttl: Duration::from_secs(1),
         retention: Duration::from_secs(2),
+        broadcast_retention: Duration::from_secs(1),
     };
     let pod = env.pod(settings).await;
     pod.beat("a", "inst-a", false).await.expect("beat");

@@ -277,6 +277,40 @@ async fn invalid_fields_name_index_and_field() {
     assert!(body.get("index").is_none(), "{body}");
 }
 
+/// A `ttl` beyond the longest duration (36500d) is refused and stores nothing. Regression: a
+/// ttl of `18446744073709552s` wrapped around in the conversion to milliseconds and was accepted
+/// with an expiry 384 ms away, so an acknowledged event was silently never delivered. The
+/// longest ttl is accepted and its event delivered.
+#[tokio::test]
+async fn a_ttl_beyond_the_longest_duration_is_refused() {
+    let hub = Hub::builder().start().await;
+    let mut client = live_stream(&hub, "pos-ttl").await;
+    let ok = json!({"device": "pos-ttl", "type": "t", "data": "fine"});
+    for ttl in ["18446744073709552s", "36501d", "9223372036854775808ms"] {
+        let resp = publish(
+            &hub,
+            &json!([ok, {"device": "pos-ttl", "type": "t", "data": "x", "ttl": ttl}]),
+        )
+        .await;
+        let body = assert_item_error(&resp, 1, "ttl");
+        assert!(
+            body["message"].as_str().unwrap().contains("36500d"),
+            "the message names the limit: {body}"
+        );
+    }
+    let longest = publish_ok(
+        &hub,
+        &json!({"device": "pos-ttl", "type": "t", "data": "kept", "ttl": "36500d"}),
+    )
+    .await;
+    let event = client.expect_event(WAIT).await;
+    assert_eq!(
+        (event.id.as_deref(), event.data.as_str()),
+        (Some(longest[0].0.as_str()), "kept"),
+        "the refused batches stored nothing; the longest ttl is delivered"
+    );
+}
+
 /// Device ids outside 1–128 characters of `[A-Za-z0-9._:-]` are 400 naming the item index and
 /// `field: "device"`.
 #[tokio::test]

@@ -640,6 +640,81 @@ async fn a_half_appended_batch_names_each_item() {
             SseNext::Timeout
         ));
     }
+    // Regression: the broadcast completed by its retry was never recorded (the first answer
+    // had only half its copies, the retry's duplicate none), so the not-acknowledged query
+    // answered 404 for a broadcast published through the API. Both devices still owe its ack.
+    let broadcast = retried[2]["id"].as_str().expect("the broadcast's id");
+    let response = http::get(
+        hub.addr(),
+        &format!("/v1/fleet/unacknowledged?event={broadcast}&limit=1000"),
+    )
+    .await;
+    assert_eq!(response.status, 200, "{}", response.text());
+    let mut unacked: Vec<String> = response.json()["devices"]
+        .as_array()
+        .expect("devices")
+        .iter()
+        .map(|record| record["device"].as_str().unwrap().to_string())
+        .collect();
+    unacked.sort();
+    let mut expected = vec![up.clone(), down.clone()];
+    expected.sort();
+    assert_eq!(unacked, expected);
+}
+
+/// One instance of several answering the append script with something the hub cannot read (here
+/// a life marker whose name is no epoch, so the cursor it yields does not parse) fails the items
+/// of that instance only: the batch is answered 207 with the other instance's ids, not a 503
+/// that hides what was appended. Regression: the malformed reply was an error of the whole
+/// request.
+#[tokio::test]
+async fn a_malformed_reply_of_one_instance_fails_its_items_only() {
+    let first = RedisServer::start().await;
+    let second = RedisServer::start().await;
+    let hub = Hub::builder()
+        .env("POSTHORN_BACKEND__KIND", "redis")
+        .env(
+            "POSTHORN_REDIS__URLS",
+            format!("{},{}", first.url(), second.url()),
+        )
+        .env("POSTHORN_REDIS__BLOCK", "1s")
+        .start()
+        .await;
+    let (good, bad) = (device_in_group(0), device_in_group(1));
+    let mut good_client = live_stream(&hub, &good).await;
+    // '!' sorts before every epoch the hub draws, so this marker names the stream's life.
+    let key = format!("pos-ev:{}", crc_shard(&bad, 64));
+    let created = second
+        .client()
+        .await
+        .cmd(&[
+            "XGROUP",
+            "CREATE",
+            &key,
+            "posthorn:epoch:!bad",
+            "0",
+            "MKSTREAM",
+        ])
+        .await;
+    assert!(created.is_ok(), "{created:?}");
+    let response = publish(
+        &hub,
+        json!([
+            {"device": good, "data": "good", "key": "g"},
+            {"device": bad, "data": "bad", "key": "b"},
+        ]),
+    )
+    .await;
+    assert_eq!(response.status, 207, "{}", response.text());
+    let results = response.json()["results"].clone();
+    let id = results[0]["id"].as_str().expect("the first item's id");
+    assert_eq!(results[1]["error"], "outcome_unknown", "{results}");
+    assert!(results[1].get("id").is_none(), "{results}");
+    let event = good_client.expect_event(WAIT).await;
+    assert_eq!(
+        (event.id.as_deref(), event.data.as_str()),
+        (Some(id), "good")
+    );
 }
 
 /// A stream's life is named by a consumer group on the stream itself (`posthorn:epoch:<epoch>`,

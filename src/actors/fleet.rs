@@ -1108,10 +1108,14 @@ mod tests {
             retention,
             debounce: Duration::from_secs(2),
         };
-        let store = Arc::new(MemoryFleet::new(FleetSettings {
-            ttl: config.ttl,
-            retention: config.retention,
-        }));
+        let store = Arc::new(MemoryFleet::new(
+            FleetSettings {
+                ttl: config.ttl,
+                retention: config.retention,
+                broadcast_retention: config.retention,
+            },
+            1_000,
+        ));
         let metrics = Arc::new(Metrics::new(prometheus::Registry::new(), "memory"));
         let router = NoRouter.start().recipient();
         Fleet::new(store, router, metrics, config, 8, "instance-a".into())
@@ -1347,10 +1351,14 @@ mod tests {
     impl Flaky {
         fn new(away: bool) -> Self {
             Self {
-                inner: MemoryFleet::new(FleetSettings {
-                    ttl: Duration::from_secs(30),
-                    retention: Duration::from_secs(3600),
-                }),
+                inner: MemoryFleet::new(
+                    FleetSettings {
+                        ttl: Duration::from_secs(30),
+                        retention: Duration::from_secs(3600),
+                        broadcast_retention: Duration::from_secs(900),
+                    },
+                    1_000,
+                ),
                 away: away.into(),
                 stuck: false.into(),
                 release: tokio::sync::Notify::new(),

@@ -45,8 +45,9 @@ struct Inner {
 
 struct LogState {
     shards: Vec<ShardLog>,
-    /// Accepted idempotency keys (per target) and what they were answered with.
-    dedupe: HashMap<DedupeKey, (Instant, Cursor)>,
+    /// Accepted idempotency keys (per target) and what they were answered with: the cursor and,
+    /// for a broadcast, every copy (a retry reports them as the first answer did).
+    dedupe: HashMap<DedupeKey, (Instant, Cursor, Vec<Cursor>)>,
     /// Keys in acceptance order, so expiry pops from the front instead of scanning the map.
     dedupe_order: VecDeque<(Instant, DedupeKey)>,
 }
@@ -143,7 +144,7 @@ impl Inner {
                 if state
                     .dedupe
                     .get(&key)
-                    .is_some_and(|(t, _)| now.duration_since(*t) >= settings.dedupe_window)
+                    .is_some_and(|(t, ..)| now.duration_since(*t) >= settings.dedupe_window)
                 {
                     state.dedupe.remove(&key);
                 }
@@ -155,11 +156,12 @@ impl Inner {
                 target: Arc::from(event.target.as_field()),
                 key: key.clone(),
             });
-            if let Some((_, cursor)) = dedupe.as_ref().and_then(|key| state.dedupe.get(key)) {
+            if let Some((_, cursor, copies)) = dedupe.as_ref().and_then(|key| state.dedupe.get(key))
+            {
                 results.push(Ok(Appended {
                     cursor: cursor.clone(),
                     duplicate: true,
-                    copies: Vec::new(),
+                    copies: copies.clone(),
                 }));
                 continue;
             }
@@ -200,7 +202,9 @@ impl Inner {
                 copies.clear();
             }
             if let Some(key) = dedupe {
-                state.dedupe.insert(key.clone(), (now, cursor.clone()));
+                state
+                    .dedupe
+                    .insert(key.clone(), (now, cursor.clone(), copies.clone()));
                 state.dedupe_order.push_back((now, key));
             }
             results.push(Ok(Appended {
@@ -454,6 +458,24 @@ mod tests {
                 .len(),
             1
         );
+    }
+
+    /// A broadcast retried with its key answers every copy, as its first answer did (and as the
+    /// Redis and NATS backends do), so the fleet API can record a broadcast from its retry.
+    #[tokio::test]
+    async fn a_duplicate_broadcast_answers_its_copies() {
+        let log = backend(100);
+        let broadcast = NewEvent {
+            target: Target::Broadcast,
+            ..unicast("x", "hello", Some("bk"))
+        };
+        let first = log.append(vec![broadcast.clone()]).await.unwrap();
+        let again = log.append(vec![broadcast]).await.unwrap();
+        let (first, again) = (first[0].as_ref().unwrap(), again[0].as_ref().unwrap());
+        assert_eq!(first.copies.len(), 4);
+        assert!(again.duplicate);
+        assert_eq!(again.cursor, first.cursor);
+        assert_eq!(again.copies, first.copies);
     }
 
     /// A broadcast lands once on every shard, and the length cap records what it trimmed.

@@ -131,9 +131,10 @@ pub struct Appended {
     /// For a broadcast: the copy on shard 0.
     pub cursor: Cursor,
     pub duplicate: bool,
-    /// For a broadcast appended by this request (not a duplicate) to every shard: each copy, in
-    /// shard order (what the fleet API's not-acknowledged query compares acks with). Empty
-    /// otherwise.
+    /// For a broadcast stored on every shard, by this request or (a duplicate) by an earlier
+    /// one with its key: each copy, in shard order (what the fleet API's not-acknowledged query
+    /// compares acks with), so a broadcast completed by a retry is known like any other. Empty
+    /// for a unicast, and when some copy's id is not known.
     pub copies: Vec<Cursor>,
 }
 

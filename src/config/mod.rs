@@ -54,7 +54,7 @@ pub use replay::ReplayConfig;
 pub use secret::{RedactedUrl, Secret, SecretFileError};
 pub use server::ServerConfig;
 pub use sse::SseConfig;
-pub use value::{format_duration, parse_duration, MAX_SHARDS};
+pub use value::{format_duration, parse_duration, MAX_DURATION, MAX_SHARDS};
 
 /// The whole configuration, one field per section. `Serialize` is the `/admin/status` summary.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -736,7 +736,7 @@ debounce = "0s"
                 "enabled": false,
                 "pod_name": "pod-a",
                 "ttl": "10s",
-                "retention": "24h",
+                "retention": "1d",
                 "debounce": "0s",
             },
         });

@@ -10,7 +10,13 @@ use super::error::{invalid, ConfigError};
 /// Largest shard count any backend accepts.
 pub const MAX_SHARDS: u32 = 16_384;
 
-/// Parse `250ms`, `20s`, `15m`, `1h`, or a bare `0`.
+/// The longest duration anything accepts (`36500d`, 100 years): every duration the hub reads, converted
+/// to milliseconds, fits an `i64` and can be added to a Unix-ms clock without wrapping, so no
+/// caller needs to guard its conversion (a publish `ttl` of `18446744073709552s` once wrapped to
+/// an expiry 384 ms away).
+pub const MAX_DURATION: Duration = Duration::from_secs(876_000 * 3600);
+
+/// Parse `250ms`, `20s`, `15m`, `1h`, `30d`, or a bare `0`; at most [`MAX_DURATION`].
 pub fn parse_duration(text: &str) -> Option<Duration> {
     if text == "0" {
         return Some(Duration::ZERO);
@@ -21,13 +27,15 @@ pub fn parse_duration(text: &str) -> Option<Duration> {
         return None;
     }
     let n: u64 = digits.parse().ok()?;
-    match unit {
+    let duration = match unit {
         "ms" => Some(Duration::from_millis(n)),
         "s" => Some(Duration::from_secs(n)),
         "m" => n.checked_mul(60).map(Duration::from_secs),
         "h" => n.checked_mul(3600).map(Duration::from_secs),
+        "d" => n.checked_mul(86_400).map(Duration::from_secs),
         _ => None,
-    }
+    }?;
+    (duration <= MAX_DURATION).then_some(duration)
 }
 
 /// The inverse of [`parse_duration`]: the largest unit that divides exactly.
@@ -35,6 +43,8 @@ pub fn format_duration(d: Duration) -> String {
     let ms = d.as_millis();
     if ms == 0 {
         "0s".to_string()
+    } else if ms.is_multiple_of(86_400_000) {
+        format!("{}d", ms / 86_400_000)
     } else if ms.is_multiple_of(3_600_000) {
         format!("{}h", ms / 3_600_000)
     } else if ms.is_multiple_of(60_000) {
@@ -57,7 +67,7 @@ pub(crate) fn duration(key: &str, text: &str) -> Result<Duration, ConfigError> {
     parse_duration(text).ok_or_else(|| {
         invalid(
             key,
-            format!("invalid duration {text:?} (expected a whole number followed by ms, s, m or h, like 250ms, 20s, 15m, 1h)"),
+            format!("invalid duration {text:?} (expected a whole number followed by ms, s, m, h or d, like 250ms, 20s, 15m, 1h, 30d, at most 36500d)"),
         )
     })
 }
@@ -134,6 +144,10 @@ mod tests {
         assert_eq!(parse_duration("20s"), Some(Duration::from_secs(20)));
         assert_eq!(parse_duration("15m"), Some(Duration::from_secs(900)));
         assert_eq!(parse_duration("1h"), Some(Duration::from_secs(3600)));
+        assert_eq!(
+            parse_duration("30d"),
+            Some(Duration::from_secs(30 * 86_400))
+        );
         assert_eq!(parse_duration("0s"), Some(Duration::ZERO));
         assert_eq!(parse_duration("0"), Some(Duration::ZERO));
         for bad in [
@@ -143,15 +157,57 @@ mod tests {
             "-1s",
             "s",
             "10 s",
-            "1d",
+            "1w",
             "fast",
             "99999999999999999999h",
+            "18446744073709552s",
+            "876001h",
+            "36501d",
+            "52560001m",
         ] {
             assert_eq!(parse_duration(bad), None, "{bad:?}");
         }
-        for d in ["250ms", "20s", "15m", "1h", "0s", "1500ms"] {
+        for d in ["250ms", "20s", "15m", "1h", "30d", "0s", "1500ms", "25h"] {
             assert_eq!(format_duration(parse_duration(d).expect("valid")), d);
         }
+    }
+
+    /// Whatever text comes in, a duration is refused or at most [`MAX_DURATION`], and every
+    /// conversion the hub makes of one holds: milliseconds as `u64` and `i64`, added to a
+    /// Unix-ms clock, and back to text. Seeded, so a failure replays.
+    #[test]
+    fn every_parsed_duration_converts_without_wrapping() {
+        use rand::{rngs::StdRng, Rng, SeedableRng};
+        let mut rng = StdRng::seed_from_u64(0x7474_6c5f);
+        let units = ["ms", "s", "m", "h", "d", "", "x", " s"];
+        let now_ms = crate::model::unix_ms();
+        for round in 0..200_000u32 {
+            let digits = rng.random_range(1..=22usize);
+            let number: String = (0..digits)
+                .map(|_| char::from(b'0' + rng.random_range(0..10u8)))
+                .collect();
+            let text = format!("{number}{}", units[round as usize % units.len()]);
+            let Some(parsed) = parse_duration(&text) else {
+                continue;
+            };
+            assert!(parsed <= MAX_DURATION, "{text:?} -> {parsed:?}");
+            let ms = parsed.as_millis();
+            assert_eq!(u128::from(ms as u64), ms, "{text:?}: ms as u64 wraps");
+            assert!(i64::try_from(ms).is_ok(), "{text:?}: ms as i64 wraps");
+            let expires = now_ms.checked_add(ms as u64).expect("now + ttl fits");
+            assert!(expires >= now_ms, "{text:?}");
+            assert_eq!(
+                parse_duration(&format_duration(parsed)),
+                Some(parsed),
+                "{text:?}"
+            );
+        }
+        assert_eq!(parse_duration("876000h"), Some(MAX_DURATION));
+        assert_eq!(parse_duration("36500d"), Some(MAX_DURATION));
+        assert_eq!(
+            parse_duration(&format!("{}ms", MAX_DURATION.as_millis())),
+            Some(MAX_DURATION)
+        );
     }
 
     /// A duration key serializes as the text it was written in.

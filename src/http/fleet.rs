@@ -185,23 +185,26 @@ pub async fn ack(
     if cursor.shard != shard {
         return Err(not_ours("another shard"));
     }
-    // An ack in the life of the stream the stored one is in moves forward or not at all (the
-    // store compares). One in another life replaces the stored ack, so it must be of the
-    // stream's current life and not beyond its head: a late ack of an ended life, or an
-    // invented id, must not move the ack.
-    let stored = fleet.store.device(&device).await?;
-    let same_life = stored
-        .as_ref()
-        .and_then(|record| record.acked.as_ref())
-        .is_some_and(|acked| acked.epoch == cursor.epoch);
-    if !same_life {
-        let current = state.backend.shard_state(shard, None).await?;
-        if current.epoch != cursor.epoch {
+    // Every ack is checked against the stream as it is now: one beyond its newest event (an
+    // invented id) would move the ack past events the device never processed, and then every
+    // real ack after it would be ignored as late.
+    let current = state.backend.shard_state(shard, None).await?;
+    if current.epoch != cursor.epoch {
+        // A late ack of the life the stored ack is in, which has ended since (data loss): no
+        // error, and nothing to move. Any other life is not this device's.
+        let stored = fleet.store.device(&device).await?;
+        let late = stored
+            .as_ref()
+            .and_then(|record| record.acked.as_ref())
+            .is_some_and(|acked| acked.epoch == cursor.epoch);
+        if !late {
             return Err(not_ours("not of its current life"));
         }
-        if cursor.position > current.head {
-            return Err(not_ours("beyond its newest event"));
-        }
+        state.metrics.acked(false);
+        return Ok(HttpResponse::NoContent().finish());
+    }
+    if cursor.position > current.head {
+        return Err(not_ours("beyond its newest event"));
     }
     let outcome = fleet.store.ack(&device, &cursor, unix_ms()).await?;
     state

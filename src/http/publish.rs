@@ -306,7 +306,10 @@ fn parse_item(
             None => {
                 return Err(invalid(
                     "ttl",
-                    format!("{text:?} must be a duration above zero such as 30s, 10m or 2h"),
+                    format!(
+                        "{text:?} must be a duration above zero and at most 36500d, such as \
+                         30s, 10m or 2h"
+                    ),
                 ))
             }
         },
@@ -439,6 +442,8 @@ mod tests {
             r#""-5s""#,
             r#""""#,
             "600",
+            r#""18446744073709552s""#,
+            r#""876001h""#,
         ] {
             let error = parse(&format!(
                 r#"[{{"device":"a","data":"x"}},{{"device":"a","data":"x","ttl":{ttl}}}]"#

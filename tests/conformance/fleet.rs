@@ -190,6 +190,49 @@ pub async fn presence_follows_a_session(env: &mut Env) {
     }
 }
 
+/// A device's last sent id outlives its session: a reconnect that is sent nothing (it resumes
+/// with nothing new) still shows the last id it was sent, while the new session is open and
+/// after it ends, on this pod and (shared store) on another. Regression: `last_sent_id` went
+/// back to null at every connect, and an operator lost the device's real position.
+pub async fn the_last_sent_id_outlives_its_session(env: &mut Env) {
+    let a = pod(env, "pod-a", "30s", DEBOUNCE).await;
+    let mut stream = stream_of(&a, "pos-ls", &[]).await;
+    let sent = publish_to(&a, "pos-ls", "one").await;
+    assert_eq!(
+        stream.expect_event(WAIT).await.id.as_deref(),
+        Some(sent.as_str())
+    );
+    drop(stream);
+    presence_until(&a, "pos-ls", WAIT, "offline having sent", |r| {
+        r["online"] == false && r["last_sent_id"] == sent.as_str()
+    })
+    .await;
+
+    let pods = if env.part("the next session on another pod", &[Fault::SharedStore]) {
+        vec![a, pod(env, "pod-b", "30s", DEBOUNCE).await]
+    } else {
+        vec![a]
+    };
+    let reconnected = pods.last().unwrap();
+    let connected_at = presence(&pods[0], "pos-ls").await.unwrap()["connected_at"].clone();
+    let mut again = stream_of(reconnected, "pos-ls", &[("Last-Event-ID", &sent)]).await;
+    let record = presence_until(&pods[0], "pos-ls", WAIT, "online again", |r| {
+        r["online"] == true && r["connected_at"] != connected_at
+    })
+    .await;
+    assert_eq!(
+        record["last_sent_id"],
+        sent.as_str(),
+        "while open: {record}"
+    );
+    crate::assert_quiet(&mut again, "nothing after the cursor").await;
+    drop(again);
+    for hub in &pods {
+        let record = presence_until(hub, "pos-ls", WAIT, "offline", |r| r["online"] == false).await;
+        assert_eq!(record["last_sent_id"], sent.as_str(), "after: {record}");
+    }
+}
+
 /// A pod killed without a goodbye: its devices show offline on the other pods within
 /// `presence.ttl`, and their fleet event streams report it.
 pub async fn a_killed_pods_devices_go_offline_within_ttl(env: &mut Env) {
@@ -424,9 +467,26 @@ pub async fn acks_only_move_forward(env: &mut Env) {
         400,
         "a first ack beyond the head"
     );
+    // Regression: once a device had an ack in the stream's current life, an id beyond the head
+    // was taken (204), the ack jumped into the future and every later real ack was ignored.
+    let beyond = ack(&hub, "pos-7", &ahead).await;
+    assert_eq!(
+        beyond.status,
+        400,
+        "an ack beyond the head after earlier acks: {}",
+        beyond.text()
+    );
+    assert_eq!(beyond.json()["field"], "id");
     assert_eq!(
         presence(&hub, "pos-7").await.unwrap()["acked_id"],
         ids[2].as_str()
+    );
+    let next = publish_to(&hub, "pos-7", "4").await;
+    assert_eq!(ack(&hub, "pos-7", &next).await.status, 204);
+    assert_eq!(
+        presence(&hub, "pos-7").await.unwrap()["acked_id"],
+        next.as_str(),
+        "a real ack after the refused one moves the ack"
     );
     // pos-7's id is not on the stream of a device of another shard.
     let other = crate::env::device_on_shard("ack", (crate::env::shard("pos-7") + 1) % 64);

@@ -187,6 +187,7 @@ mod expiry;
 
 conformance! {
     fleet::presence_follows_a_session,
+    fleet::the_last_sent_id_outlives_its_session,
     fleet::a_killed_pods_devices_go_offline_within_ttl,
     fleet::the_fleet_pages_through_1000_devices,
     fleet::fleet_events_are_debounced,

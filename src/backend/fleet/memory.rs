@@ -3,7 +3,7 @@
 //! it; the contract is the same as for the shared stores (module doc of `fleet`).
 
 use std::{
-    collections::{BTreeSet, HashMap},
+    collections::{BTreeSet, HashMap, VecDeque},
     sync::Mutex,
     time::Duration,
 };
@@ -26,6 +26,9 @@ const CHANNEL_CAPACITY: usize = 65_536;
 
 pub struct MemoryFleet {
     settings: FleetSettings,
+    /// Broadcasts whose copies are kept at most: the memory log's `max_len`, since an older
+    /// broadcast has been trimmed from every shard and cannot be asked about.
+    max_broadcasts: usize,
     state: Mutex<State>,
     channel: broadcast::Sender<FleetMessage>,
 }
@@ -41,7 +44,11 @@ struct State {
     swept_ms: u64,
     /// Last beat per instance, Unix ms; `None` once it said it stops.
     instances: HashMap<String, Option<u64>>,
+    /// The copies of each recorded broadcast by the id it was answered with, and when it was
+    /// recorded (Unix ms).
     broadcasts: HashMap<String, (u64, Vec<Cursor>)>,
+    /// The same ids in the order they were recorded, so the oldest go first.
+    broadcast_order: VecDeque<(u64, String)>,
 }
 
 #[derive(Clone)]
@@ -55,9 +62,10 @@ struct Stored {
 }
 
 impl MemoryFleet {
-    pub fn new(settings: FleetSettings) -> Self {
+    pub fn new(settings: FleetSettings, max_broadcasts: usize) -> Self {
         Self {
             settings,
+            max_broadcasts,
             state: Mutex::new(State::default()),
             channel: broadcast::channel(CHANNEL_CAPACITY).0,
         }
@@ -71,6 +79,32 @@ impl MemoryFleet {
 }
 
 impl State {
+    /// Records the copies of broadcast `id` (a broadcast recorded again counts from its last
+    /// record).
+    fn record_broadcast(&mut self, id: String, copies: Vec<Cursor>, now: u64) {
+        self.broadcast_order.push_back((now, id.clone()));
+        self.broadcasts.insert(id, (now, copies));
+    }
+
+    /// Forgets the broadcasts recorded before `retention` and the oldest beyond `max`.
+    fn forget_broadcasts(&mut self, now: u64, retention: Duration, max: usize) {
+        let oldest = now.saturating_sub(retention.as_millis() as u64);
+        while let Some((recorded, id)) = self.broadcast_order.front() {
+            if *recorded >= oldest && self.broadcasts.len() <= max {
+                break;
+            }
+            // The entry of a broadcast recorded again since is stale: its record stays.
+            if self
+                .broadcasts
+                .get(id)
+                .is_some_and(|(written, _)| written == recorded)
+            {
+                self.broadcasts.remove(id);
+            }
+            self.broadcast_order.pop_front();
+        }
+    }
+
     /// Forgets records not written for `retention`, but never an open session of a live
     /// instance (a terminal connected all week with nothing sent). At most once a second: the
     /// sweep visits every record.
@@ -90,7 +124,6 @@ impl State {
             }
             kept
         });
-        self.broadcasts.retain(|_, (written, _)| *written >= oldest);
         self.instances
             .retain(|_, beat| beat.is_some_and(|beat| beat >= oldest));
     }
@@ -168,8 +201,15 @@ impl FleetStore for MemoryFleet {
                         }
                     }
                     let stored = state.devices.get(&session.device);
-                    let (acked, acked_ms) = stored
-                        .map(|stored| (stored.acked.clone(), stored.acked_ms))
+                    // The ack and the last position outlive the session they were written in.
+                    let (acked, acked_ms, last_sent) = stored
+                        .map(|stored| {
+                            (
+                                stored.acked.clone(),
+                                stored.acked_ms,
+                                stored.last_sent.clone(),
+                            )
+                        })
                         .unwrap_or_default();
                     if stored.is_none() {
                         state.order.insert(session.device.clone());
@@ -179,7 +219,7 @@ impl FleetStore for MemoryFleet {
                         Stored {
                             session,
                             ended_ms: None,
-                            last_sent: None,
+                            last_sent,
                             acked,
                             acked_ms,
                             written_ms: now,
@@ -310,15 +350,19 @@ impl FleetStore for MemoryFleet {
 
     fn record_broadcast(&self, copies: Vec<Cursor>) -> BoxFuture<'_, BackendResult<()>> {
         if let Some(id) = copies.first() {
-            let id = id.to_string();
-            self.state().broadcasts.insert(id, (unix_ms(), copies));
+            let (id, now) = (id.to_string(), unix_ms());
+            let mut state = self.state();
+            state.record_broadcast(id, copies, now);
+            state.forget_broadcasts(now, self.settings.broadcast_retention, self.max_broadcasts);
         }
         async { Ok(()) }.boxed()
     }
 
     fn broadcast_copies(&self, id: &Cursor) -> BoxFuture<'_, BackendResult<Option<Vec<Cursor>>>> {
-        let copies = self
-            .state()
+        let now = unix_ms();
+        let mut state = self.state();
+        state.forget_broadcasts(now, self.settings.broadcast_retention, self.max_broadcasts);
+        let copies = state
             .broadcasts
             .get(&id.to_string())
             .map(|(_, copies)| copies.clone());
@@ -344,5 +388,70 @@ impl FleetStore for MemoryFleet {
         })
         .boxed();
         async { Ok(stream) }.boxed()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{Epoch, Position};
+
+    fn store(broadcast_retention: Duration, max_broadcasts: usize) -> MemoryFleet {
+        MemoryFleet::new(
+            FleetSettings {
+                ttl: Duration::from_secs(30),
+                retention: Duration::from_secs(7 * 24 * 3600),
+                broadcast_retention,
+            },
+            max_broadcasts,
+        )
+    }
+
+    /// The copies of a broadcast on 64 shards, the first at `ms`.
+    fn copies(ms: u64) -> Vec<Cursor> {
+        let epoch = Epoch::new("e1").unwrap();
+        (0..64)
+            .map(|shard| Cursor::new(epoch.clone(), shard, Position::new(ms, 0)))
+            .collect()
+    }
+
+    /// Broadcast copies go with the event retention, not with presence's 7 days. Regression:
+    /// each broadcast's ~3.3 KB stayed for `presence.retention` (50,000 broadcasts held 166 MB
+    /// more than with presence off), long after the broadcast itself was trimmed.
+    #[tokio::test]
+    async fn broadcast_copies_go_with_the_event_retention() {
+        let fleet = store(Duration::from_millis(200), 1_000);
+        let first = copies(1);
+        fleet.record_broadcast(first.clone()).await.unwrap();
+        assert_eq!(
+            fleet.broadcast_copies(&first[0]).await.unwrap(),
+            Some(first.clone())
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert_eq!(fleet.broadcast_copies(&first[0]).await.unwrap(), None);
+        assert!(fleet.state().broadcast_order.is_empty());
+    }
+
+    /// At most `max_broadcasts` are kept, the newest: an older broadcast has been trimmed from
+    /// the memory log's every shard by its length cap.
+    #[tokio::test]
+    async fn at_most_the_logs_length_of_broadcasts_is_kept() {
+        let fleet = store(Duration::from_secs(900), 3);
+        let all: Vec<Vec<Cursor>> = (1..=5).map(copies).collect();
+        for broadcast in &all {
+            fleet.record_broadcast(broadcast.clone()).await.unwrap();
+        }
+        let mut kept = Vec::new();
+        for broadcast in &all {
+            kept.push(
+                fleet
+                    .broadcast_copies(&broadcast[0])
+                    .await
+                    .unwrap()
+                    .is_some(),
+            );
+        }
+        assert_eq!(kept, [false, false, true, true, true]);
+        assert_eq!(fleet.state().broadcast_order.len(), 3);
     }
 }

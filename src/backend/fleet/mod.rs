@@ -17,7 +17,9 @@
 //!   another session only if it ranks higher ([`refreshes`]: whatever the writing pod's view
 //!   of the fleet, a refresh never undoes a later connect). `Offline` ends the session only if
 //!   the record still names that same instance and session (a late goodbye of a replaced
-//!   session changes nothing), and `Sent` applies only to that session while it is open.
+//!   session changes nothing), and `Sent` applies only to that session while it is open. A
+//!   session that replaces another keeps the record's ack and last sent id (until it sends
+//!   something itself): both say where the device is, not what one session did.
 //! - **Liveness.** A device is online iff its record names a session that has not ended and whose
 //!   instance has beaten (`beat`) within `ttl`, measured on the store's clock where it has one
 //!   (Redis `TIME`, the NATS server's timestamps). So the devices of a pod that died without a
@@ -35,7 +37,9 @@
 //!   respect to concurrent acks of the same device (a Lua compare, a KV revision check, a lock).
 //!   An ack creates the record when none exists (the device never connected through a hub).
 //! - **Broadcast copies.** The hub records, for every broadcast it appends, the cursor of its
-//!   copy on every shard, keyed by the id it answered (the copy on shard 0), for `retention`.
+//!   copy on every shard, keyed by the id it answered (the copy on shard 0), for
+//!   `broadcast_retention` (the memory store also keeps at most as many as its log keeps
+//!   entries per shard).
 //! - **Channel.** `announce` reaches every subscriber of every pod, this one included, at most
 //!   once and in order per publisher; `subscribe` is resubscribed by the store after an outage,
 //!   and then yields [`Heard::Gap`]: messages sent meanwhile may be lost, so the subscriber reads
@@ -56,8 +60,11 @@ use crate::model::{Cursor, DeviceId};
 pub struct FleetSettings {
     /// An instance that has not beaten for this long is dead, and its sessions offline.
     pub ttl: Duration,
-    /// Records (and broadcast copies) not written for this long may be forgotten.
+    /// Records not written for this long may be forgotten.
     pub retention: Duration,
+    /// Broadcast copies are kept this long: the backend's event retention, beyond which the
+    /// broadcast itself is trimmed and cannot be asked about.
+    pub broadcast_retention: Duration,
 }
 
 /// One session of a device on one pod.

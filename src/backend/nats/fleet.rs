@@ -4,8 +4,8 @@
 //!
 //! - **Buckets.** `{stream}_devices` (one JSON record per device, max age = retention),
 //!   `{stream}_pods` (one entry per instance: its last beat, max age = retention) and
-//!   `{stream}_broadcasts` (the copies of a broadcast, max age = retention). Created or updated
-//!   at start-up, and created again when a failed request finds one gone. A key is read from
+//!   `{stream}_broadcasts` (the copies of a broadcast, max age = `nats.retention`). Created or
+//!   updated at start-up, and created again when a failed request finds one gone. A key is read from
 //!   the bucket's stream leader (`STREAM.MSG.GET`), never by direct get, which a replica that
 //!   has not applied the last write may answer: a pod reads back what it or any other pod
 //!   just wrote (the clock probe, compare-and-set, the API). Listings read through an ephemeral
@@ -133,6 +133,34 @@ fn bad(what: &str) -> BackendError {
     BackendError::rejected(format!("nats: unexpected {what} in the fleet store"))
 }
 
+/// The stream of KV bucket `{stream}_{name}` as async-nats would create it, made by the hub:
+/// async-nats' `create_key_value` first asks for the account's info, whose answer from
+/// nats-server 2.9 it cannot read.
+pub(super) fn bucket_stream(
+    inner: &Inner,
+    name: &str,
+    description: &str,
+    max_age: Duration,
+) -> jetstream::stream::Config {
+    let stream = &inner.layout.stream;
+    jetstream::stream::Config {
+        name: format!("KV_{stream}_{name}"),
+        description: Some(description.to_owned()),
+        subjects: vec![format!("$KV.{stream}_{name}.>")],
+        max_messages_per_subject: 1,
+        max_age,
+        storage: jetstream::stream::StorageType::File,
+        num_replicas: inner.settings.nats.replicas,
+        allow_rollup: true,
+        deny_delete: true,
+        // Left as earlier versions made it: turning it off would cut off their pods' reads
+        // during a rolling upgrade. This store never reads by direct get (`Leader`).
+        allow_direct: true,
+        discard: jetstream::stream::DiscardPolicy::New,
+        ..Default::default()
+    }
+}
+
 /// A bucket's entry as its stream leader answers it (`STREAM.MSG.GET`, whatever the bucket's
 /// `allow_direct`; async-nats' `Store::entry` would use a direct get where it is allowed).
 struct Leader {
@@ -184,24 +212,8 @@ impl Leader {
 impl NatsFleet {
     pub(super) async fn new(inner: &Inner, settings: FleetSettings) -> BackendResult<Self> {
         let stream = &inner.layout.stream;
-        // The stream of a KV bucket as async-nats would create it, made here: its
-        // `create_key_value` first asks for the account's info, whose answer from nats-server
-        // 2.9 it cannot read.
-        let bucket = |name: &str, description: &str| jetstream::stream::Config {
-            name: format!("KV_{stream}_{name}"),
-            description: Some(description.to_owned()),
-            subjects: vec![format!("$KV.{stream}_{name}.>")],
-            max_messages_per_subject: 1,
-            max_age: settings.retention,
-            storage: jetstream::stream::StorageType::File,
-            num_replicas: inner.settings.nats.replicas,
-            allow_rollup: true,
-            deny_delete: true,
-            // Left as earlier versions made it: turning it off would cut off their pods' reads
-            // during a rolling upgrade. This store never reads by direct get (`Leader`).
-            allow_direct: true,
-            discard: jetstream::stream::DiscardPolicy::New,
-            ..Default::default()
+        let bucket = |name: &str, description: &str, max_age| {
+            bucket_stream(inner, name, description, max_age)
         };
         let open = |config: jetstream::stream::Config| {
             let jetstream = inner.jetstream.clone();
@@ -219,9 +231,22 @@ impl NatsFleet {
             }
         };
         let bucket_streams = vec![
-            bucket("devices", "posthorn fleet: device records"),
-            bucket("pods", "posthorn fleet: beats of pod instances"),
-            bucket("broadcasts", "posthorn fleet: broadcast copies"),
+            bucket(
+                "devices",
+                "posthorn fleet: device records",
+                settings.retention,
+            ),
+            bucket(
+                "pods",
+                "posthorn fleet: beats of pod instances",
+                settings.retention,
+            ),
+            // A broadcast trimmed from the event stream cannot be asked about.
+            bucket(
+                "broadcasts",
+                "posthorn fleet: broadcast copies",
+                settings.broadcast_retention,
+            ),
         ];
         let devices = open(bucket_streams[0].clone()).await?;
         let pods = open(bucket_streams[1].clone()).await?;
@@ -811,14 +836,21 @@ fn apply(record: &mut Option<Stored>, change: &PresenceWrite) -> bool {
                     return true;
                 }
             }
-            let (acked, acked_ms) = record
+            // The ack and the last position outlive the session they were written in.
+            let (acked, acked_ms, last_sent) = record
                 .as_ref()
-                .map(|stored| (stored.acked.clone(), stored.acked_ms))
+                .map(|stored| {
+                    (
+                        stored.acked.clone(),
+                        stored.acked_ms,
+                        stored.last_sent.clone(),
+                    )
+                })
                 .unwrap_or_default();
             *record = Some(Stored {
                 session: session.clone(),
                 ended_ms: None,
-                last_sent: None,
+                last_sent,
                 acked,
                 acked_ms,
             });

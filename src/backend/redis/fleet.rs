@@ -75,7 +75,8 @@ for i = 0, tonumber(ARGV[2]) - 1 do
       end
     end
     if replace then
-      redis.call('HDEL', key, 'ended_ms', 'last_sent')
+      -- The ack and the last position outlive the session they were written in.
+      redis.call('HDEL', key, 'ended_ms')
       redis.call('HSET', key, 'instance', ARGV[at + 2], 'session', ARGV[at + 3],
         'pod', ARGV[at + 4], 'connected_ms', ARGV[at + 5], 'remote', ARGV[at + 6],
         'user_agent', ARGV[at + 7])
@@ -469,7 +470,7 @@ impl RedisFleet {
                 Value::from(key),
                 Value::from(text),
                 Value::from("PX"),
-                ms_arg(self.settings.retention),
+                ms_arg(self.settings.broadcast_retention),
             ],
         })
         .await

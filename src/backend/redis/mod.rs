@@ -555,24 +555,19 @@ impl Inner {
                     continue;
                 }
             };
-            let items = reply::items(&reply);
-            if items.len() != 3 * call.answers.len() {
-                failed[group] = Some(bad_reply("append"));
-                continue;
-            }
-            for ((answers, item), triple) in
-                call.answers.iter().zip(&call.items).zip(items.chunks(3))
-            {
-                let cursor = reply::text(&triple[0])
-                    .and_then(|text| Cursor::parse(text).ok())
-                    .ok_or_else(|| bad_reply("append cursor"))?;
-                let duplicate = matches!(triple[1], Value::Integer(1));
-                for copy in reply::items(&triple[2]) {
-                    let copy = reply::text(copy)
-                        .and_then(|text| Cursor::parse(text).ok())
-                        .ok_or_else(|| bad_reply("append copy"))?;
-                    copies[*item].push(copy);
+            // A reply the hub cannot read fails this group's items only: the script ran, so
+            // they may be stored (outcome unknown), while other groups' answers stand.
+            let parsed = match parse_append(&reply, call.answers.len()) {
+                Ok(parsed) => parsed,
+                Err(error) => {
+                    failed[group] = Some(error);
+                    continue;
                 }
+            };
+            for ((answers, item), (cursor, duplicate, group_copies)) in
+                call.answers.iter().zip(&call.items).zip(parsed)
+            {
+                copies[*item].extend(group_copies);
                 // What this request stored; a duplicate's entry may be long trimmed.
                 if !duplicate {
                     self.watermarks
@@ -715,6 +710,34 @@ impl Inner {
 }
 
 /// How many group calls a request made (those whose failure could matter).
+/// The answer of one group's [`scripts::APPEND`]: per script item its cursor, whether it was a
+/// duplicate, and a broadcast's copies in the group.
+fn parse_append(reply: &Value, count: usize) -> BackendResult<Vec<(Cursor, bool, Vec<Cursor>)>> {
+    let items = reply::items(reply);
+    if items.len() != 3 * count {
+        return Err(bad_reply("append"));
+    }
+    let cursor = |value: &Value, what: &str| {
+        reply::text(value)
+            .and_then(|text| Cursor::parse(text).ok())
+            .ok_or_else(|| bad_reply(what))
+    };
+    items
+        .chunks(3)
+        .map(|triple| {
+            let copies = reply::items(&triple[2])
+                .iter()
+                .map(|copy| cursor(copy, "append copy"))
+                .collect::<BackendResult<Vec<_>>>()?;
+            Ok((
+                cursor(&triple[0], "append cursor")?,
+                matches!(triple[1], Value::Integer(1)),
+                copies,
+            ))
+        })
+        .collect()
+}
+
 fn calls_made(spans: &[Range<usize>], groups: usize) -> usize {
     (0..groups)
         .filter(|group| spans.iter().any(|span| span.contains(group)))

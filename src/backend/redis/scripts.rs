@@ -72,9 +72,10 @@ end
 /// none), stream count, then per stream its key index, shard and supersede index key index
 /// (0 = none). An item with `sup` sets `<dev>/<sup>` of its shard's index to `<epoch> <id>`
 /// with the entry, atomically. Returns per item the cursor of its first stream, whether it was
-/// a duplicate, and for a broadcast appended now the cursor of every copy (else empty):
-/// `{cursor, 0|1, {copy, ...}, ...}`. A dedupe key holds the cursor it was
-/// answered with, so a duplicate gets the original's id; a device's key answered in a life of its
+/// a duplicate, and for a broadcast the cursor of every copy in this group (else empty):
+/// `{cursor, 0|1, {copy, ...}, ...}`. A dedupe key holds the cursor it was answered with (a
+/// broadcast's: every copy of the group, space-separated, its cursor first), so a duplicate gets
+/// the original's id and a retried broadcast its copies; a device's key answered in a life of its
 /// stream that has ended is forgotten (its event was lost with that life). A dedupe window of 0
 /// remembers nothing.
 pub const APPEND: &str = with_helpers!(
@@ -111,9 +112,11 @@ for _ = 1, tonumber(ARGV[5]) do
     end
   end
   if previous then
-    table.insert(out, previous)
+    local answered = {}
+    for copy in string.gmatch(previous, '%S+') do table.insert(answered, copy) end
+    table.insert(out, answered[1])
     table.insert(out, 1)
-    table.insert(out, {})
+    if dev == '*' then table.insert(out, answered) else table.insert(out, {}) end
   else
     local cursor = false
     local copies = {}
@@ -132,7 +135,11 @@ for _ = 1, tonumber(ARGV[5]) do
       if not cursor then cursor = epoch .. '.' .. shard .. '.' .. id end
       if dev == '*' then table.insert(copies, epoch .. '.' .. shard .. '.' .. id) end
     end
-    if dedupe > 0 and ARGV[4] ~= '0' then redis.call('SET', KEYS[dedupe], cursor, 'PX', ARGV[4]) end
+    if dedupe > 0 and ARGV[4] ~= '0' then
+      local answer = cursor
+      if dev == '*' then answer = table.concat(copies, ' ') end
+      redis.call('SET', KEYS[dedupe], answer, 'PX', ARGV[4])
+    end
     table.insert(out, cursor)
     table.insert(out, 0)
     table.insert(out, copies)
