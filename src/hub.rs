@@ -12,7 +12,8 @@ use thiserror::Error;
 use crate::{
     actors::{
         fleet::{Farewell, Fleet},
-        router::{AttachFleet, Router},
+        revocations::Revocations,
+        router::{AttachFleet, Router, TokenRules},
         shutdown::{AttachServer, Shutdown},
         stream_tail::{SharedTailStatus, StreamTail, TailState},
     },
@@ -21,6 +22,7 @@ use crate::{
         memory::MemorySettings,
         nats::{NatsAccess, NatsBackend, NatsSettings},
         redis::{ConnectionSetup, RedisBackend, RedisSettings},
+        revocation::{memory::MemoryRevocations, RevocationStore, Revoked},
         Backend, BackendError, MemoryBackend,
     },
     config::{AuthMode, BackendChoice, Config},
@@ -78,8 +80,8 @@ pub fn check_files(config: &Config) -> Result<(), ServeError> {
     if let Some((cert, key)) = config.server.tls_files() {
         crate::tls::certified_key(cert, key).map_err(ServeError::Certificate)?;
     }
-    // The JWT public key file.
-    http::auth::Authenticator::new(&config.auth, &config.server).map_err(ServeError::Unservable)?;
+    // The JWT public key file and the key set's CA file.
+    http::auth::check_files(&config.auth).map_err(ServeError::Unservable)?;
     match config.backend_choice() {
         BackendChoice::Memory(_) => {}
         BackendChoice::Redis(redis) => {
@@ -188,6 +190,23 @@ async fn build_fleet_store(
     }))
 }
 
+/// The revocation store of the backend `backend.kind` selects (the backend's own connections).
+async fn build_revocation_store(
+    config: &Config,
+    backend: &BuiltBackend,
+) -> Result<Arc<dyn RevocationStore>, ServeError> {
+    let retention = config.auth.revocation_retention;
+    Ok(match backend {
+        BuiltBackend::Memory(_) => Arc::new(MemoryRevocations::new(retention)),
+        BuiltBackend::Redis(redis) => Arc::new(redis.revocations(retention)),
+        BuiltBackend::Nats(nats) => Arc::new(
+            nats.revocations(retention)
+                .await
+                .map_err(ServeError::Backend)?,
+        ),
+    })
+}
+
 /// A random name for this process, so that a pod restarted under the same name does not revive
 /// the sessions of its previous life (docs/fleet.md).
 fn instance_id() -> String {
@@ -219,6 +238,14 @@ pub fn serve(config: Config) -> Result<(), ServeError> {
         metrics.init_groups(groups.len());
         let pod = Arc::new(PodState::default());
 
+        // Before anything is served: a pod restarted after a revocation refuses the old tokens
+        // from its first request.
+        let revoked = Revoked::new();
+        let revocation_store = build_revocation_store(&config, &built).await?;
+        let revocations_read = Revocations::load(&*revocation_store, &revoked)
+            .await
+            .map_err(ServeError::Backend)?;
+
         let router_arbiter = Arbiter::new();
         let (shards, heartbeat, stall_timeout, router_metrics) = (
             backend.shards(),
@@ -226,9 +253,22 @@ pub fn serve(config: Config) -> Result<(), ServeError> {
             config.sse.stall_timeout,
             metrics.clone(),
         );
+        let tokens = TokenRules {
+            leeway: config.auth.leeway,
+            revoked: revoked.clone(),
+        };
         let router = Router::start_in_arbiter(&router_arbiter.handle(), move |_| {
-            Router::new(shards, heartbeat, stall_timeout, router_metrics)
+            Router::new(shards, heartbeat, stall_timeout, router_metrics, tokens)
         });
+        let revocations = Revocations::new(
+            revocation_store,
+            revoked.clone(),
+            router.clone().recipient(),
+            config.auth.revocation_retention,
+            revocations_read,
+            metrics.clone(),
+        )
+        .start();
 
         let tail_arbiter = Arbiter::new();
         let retention = config.backend_choice().retention();
@@ -290,8 +330,14 @@ pub fn serve(config: Config) -> Result<(), ServeError> {
         let shutdown = shutdown.start();
 
         let auth = Arc::new(
-            crate::http::auth::Authenticator::new(&config.auth, &config.server)
-                .map_err(ServeError::Unservable)?,
+            crate::http::auth::Authenticator::new(
+                &config.auth,
+                &config.server,
+                revoked.clone(),
+                metrics.clone(),
+            )
+            .await
+            .map_err(ServeError::Unservable)?,
         );
         let replayer = Arc::new(Replayer::new(
             backend.clone(),
@@ -313,6 +359,8 @@ pub fn serve(config: Config) -> Result<(), ServeError> {
             drain: drain_status,
             auth,
             fleet: fleet.clone(),
+            revocations,
+            revoked,
         };
         http::ops::watch_readiness(state.clone());
         let bind_error = |source| ServeError::Bind {

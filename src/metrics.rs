@@ -58,8 +58,66 @@ impl PublishResult {
     }
 }
 
+/// Why a request's token was refused (`auth_rejections_total{reason}`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AuthRejection {
+    /// No token at all.
+    Missing,
+    /// Not a JWT, or claims of the wrong shape (`exp` missing, say).
+    Malformed,
+    /// Its `exp` (plus `auth.leeway`) has passed.
+    Expired,
+    /// A revocation of its device covers it.
+    Revoked,
+    /// Not signed by a key the hub trusts, or with another algorithm than the key's.
+    BadSignature,
+    /// It names a `kid` the key set does not hold (after a refresh, when one was allowed).
+    UnknownKid,
+    WrongIssuer,
+    WrongAudience,
+    /// Valid, but for another device or without the scope asked for (403).
+    Forbidden,
+}
+
+impl AuthRejection {
+    pub const ALL: [AuthRejection; 9] = [
+        AuthRejection::Missing,
+        AuthRejection::Malformed,
+        AuthRejection::Expired,
+        AuthRejection::Revoked,
+        AuthRejection::BadSignature,
+        AuthRejection::UnknownKid,
+        AuthRejection::WrongIssuer,
+        AuthRejection::WrongAudience,
+        AuthRejection::Forbidden,
+    ];
+
+    pub fn label(self) -> &'static str {
+        match self {
+            AuthRejection::Missing => "missing",
+            AuthRejection::Malformed => "malformed",
+            AuthRejection::Expired => "expired",
+            AuthRejection::Revoked => "revoked",
+            AuthRejection::BadSignature => "bad_signature",
+            AuthRejection::UnknownKid => "unknown_kid",
+            AuthRejection::WrongIssuer => "wrong_issuer",
+            AuthRejection::WrongAudience => "wrong_audience",
+            AuthRejection::Forbidden => "forbidden",
+        }
+    }
+}
+
 pub struct Metrics {
     registry: Registry,
+    auth_rejections: IntCounterVec,
+    /// `jwks_fetches_total{result="ok"}`: key sets fetched from `auth.jwks_url`.
+    pub jwks_fetched: IntCounter,
+    /// `jwks_fetches_total{result="error"}`.
+    pub jwks_fetch_failed: IntCounter,
+    /// Keys of the last key set fetched.
+    pub jwks_keys: IntGauge,
+    /// Revocations this pod knows of (its own and other pods').
+    pub revocations_known: IntGauge,
     pub sse_connections: IntGauge,
     pub sse_connections_opened: IntCounter,
     sse_connections_closed: IntCounterVec,
@@ -135,12 +193,29 @@ impl Metrics {
         let sse_connections_closed = counter_vec(
             r,
             "sse_connections_closed_total",
-            "SSE connections closed, by reason (client, slow_consumer, drain, takeover, error)",
+            "SSE connections closed, by reason (client, slow_consumer, drain, takeover, error, \
+             token_expired, revoked)",
             "reason",
         );
         for reason in CloseReason::ALL {
             sse_connections_closed.with_label_values(&[reason.label()]);
         }
+        let auth_rejections = counter_vec(
+            r,
+            "auth_rejections_total",
+            "requests whose token was refused, by reason (missing, malformed, expired, revoked, \
+             bad_signature, unknown_kid, wrong_issuer, wrong_audience: 401; forbidden: 403)",
+            "reason",
+        );
+        for reason in AuthRejection::ALL {
+            auth_rejections.with_label_values(&[reason.label()]);
+        }
+        let jwks_fetches = counter_vec(
+            r,
+            "jwks_fetches_total",
+            "fetches of the key set at auth.jwks_url, by result (ok, error)",
+            "result",
+        );
         let sse_resyncs = counter_vec(
             r,
             "sse_resyncs_total",
@@ -259,6 +334,20 @@ impl Metrics {
         }
 
         Self {
+            auth_rejections,
+            jwks_fetched: jwks_fetches.with_label_values(&["ok"]),
+            jwks_fetch_failed: jwks_fetches.with_label_values(&["error"]),
+            jwks_keys: gauge(
+                r,
+                "jwks_keys",
+                "keys in the key set last fetched from auth.jwks_url",
+            ),
+            revocations_known: gauge(
+                r,
+                "revocations_known",
+                "device revocations this pod applies (its own and other pods', within \
+                 auth.revocation_retention)",
+            ),
             fleet_acks,
             fleet_devices_online: gauge(
                 r,
@@ -337,6 +426,12 @@ impl Metrics {
             drain_duration_seconds,
             registry,
         }
+    }
+
+    pub fn auth_rejected(&self, reason: AuthRejection) {
+        self.auth_rejections
+            .with_label_values(&[reason.label()])
+            .inc();
     }
 
     pub fn connection_closed(&self, reason: CloseReason) {

@@ -133,16 +133,17 @@ async fn with_jwt_the_page_asks_for_an_admin_token() {
         let entry = &error["params"]["entry"];
         assert!(
             entry["source"] == "network"
-                && entry["url"]
-                    .as_str()
-                    .is_some_and(|u| u.ends_with("/admin/status")),
+                && entry["url"].as_str().is_some_and(|u| {
+                    u.ends_with("/admin/status") || u.ends_with("/admin/revocations")
+                }),
             "unexpected console error: {error:#}"
         );
     }
 }
 
 /// In Chromium: the page loads with no console error (a script or style refused by its policy
-/// would be one), shows the open streams, totals and tail groups that `/metrics` has, computes
+/// would be one), shows the open streams, totals and tail groups that `/metrics` has, the
+/// revocations `/admin/revocations` lists, computes
 /// rates once it has two scrapes, looks up a device's shard, and its drain button, after the
 /// confirmation step, drains the pod: `/readyz` 503 and `drain_in_progress` 1.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -161,6 +162,14 @@ async fn console_shows_the_metrics_and_drains() {
         publish_to(&hub, &format!("pos-{i}"), "hello").await;
         stream.expect_event(WAIT).await;
     }
+
+    let revoked = http::post_json(
+        hub.addr(),
+        "/admin/revoke",
+        &json!({ "device": "pos-stolen" }),
+    )
+    .await;
+    assert_eq!(revoked.status, 202, "{}", revoked.text());
 
     let chromium = Chromium::start(1280, 900).await;
     let mut page = chromium.page().await;
@@ -210,6 +219,20 @@ async fn console_shows_the_metrics_and_drains() {
     assert_eq!(
         page.evaluate(&shown("events-sent-rate")).await.as_f64(),
         Some(0.0)
+    );
+
+    // The revocations, as GET /admin/revocations lists them.
+    assert_eq!(
+        page.evaluate(
+            "[...document.querySelectorAll('#revocations tr')].map((row) => row.cells[0].textContent)"
+        )
+        .await,
+        json!(["pos-stolen"])
+    );
+    assert_eq!(
+        page.evaluate("document.getElementById('revocations-count').textContent")
+            .await,
+        "1"
     );
 
     let mut groups: Vec<String> = scrape

@@ -30,7 +30,7 @@ fn follow_device(
         base_url: hub.base_url(),
         ca_file: Some(ca_file.to_path_buf()),
         device: device.into(),
-        token: None,
+        token: posthorn_client::Token::None,
         cursor_file: None,
         heartbeat: Duration::from_secs(20),
         ack: false,

@@ -538,7 +538,15 @@ const HUB_PERMISSIONS: &str = r#"{
           "$KV.POSTHORN_devices.>",
           "$KV.POSTHORN_pods.>",
           "$KV.POSTHORN_broadcasts.>",
-          "posthorn.ev.fleet.pods"
+          "posthorn.ev.fleet.pods",
+          "$JS.API.STREAM.INFO.KV_POSTHORN_revocations",
+          "$JS.API.STREAM.CREATE.KV_POSTHORN_revocations",
+          "$JS.API.STREAM.UPDATE.KV_POSTHORN_revocations",
+          "$JS.API.STREAM.MSG.GET.KV_POSTHORN_revocations",
+          "$JS.API.CONSUMER.CREATE.KV_POSTHORN_revocations",
+          "$JS.API.CONSUMER.MSG.NEXT.KV_POSTHORN_revocations.*",
+          "$JS.API.CONSUMER.DELETE.KV_POSTHORN_revocations.*",
+          "$KV.POSTHORN_revocations.>"
         ] }
         subscribe: { allow: [ "_INBOX.>", "posthorn.ev.fleet.pods" ] }
       }"#;

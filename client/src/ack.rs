@@ -25,13 +25,15 @@ pub struct Acker {
 
 impl Acker {
     /// Starts the acknowledging task on the current tokio runtime; it ends with the `Acker`.
-    pub(crate) fn start(target: Target, token: Option<String>) -> Self {
+    /// Each ack goes with the token of the stream's current connection.
+    pub(crate) fn start(target: Target, tokens: watch::Receiver<Option<String>>) -> Self {
         let (newest, mut persisted) = watch::channel(None::<String>);
         tokio::spawn(async move {
             while persisted.changed().await.is_ok() {
                 let Some(cursor) = persisted.borrow_and_update().clone() else {
                     continue;
                 };
+                let token = tokens.borrow().clone();
                 if let Ok(Answer::FleetDisabled) = send(&target, token.as_deref(), &cursor).await {
                     return;
                 }

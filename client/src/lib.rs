@@ -9,6 +9,10 @@
 //! - On `event: resync` it drops its cursor, tells the application (which reloads its state from
 //!   its source of truth) and continues from the id the resync carries.
 //! - Silence longer than three heartbeat intervals counts as a dead connection.
+//! - Its token ([`Token`]) is asked for before every connection: a token source (a file, a
+//!   callback) is asked again after `event: token_expired` (the client reconnects within a
+//!   second or two, resuming with its cursor: nothing is lost) or a 401. `event: revoked`, or a
+//!   401 `token_revoked`, ends it with [`ClientError::Revoked`].
 //!
 //! - Speaks `http://` and `https://` (rustls; the system's certificate authorities, or those of
 //!   a CA file). A certificate it cannot verify is a failed connection like any other: reported
@@ -18,30 +22,87 @@
 pub mod ack;
 pub mod cursor;
 pub mod dechunk;
+pub mod http;
 pub mod parser;
 pub mod policy;
 
 use std::{
+    future::Future,
     io,
     path::{Path, PathBuf},
+    pin::Pin,
     sync::Arc,
     time::{Duration, Instant},
 };
 
-use rustls::pki_types::{pem::PemObject, CertificateDer, ServerName};
+use rustls::pki_types::ServerName;
 use thiserror::Error;
-use tokio::{
-    io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt},
-    net::TcpStream,
-};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_rustls::TlsConnector;
 
 use self::{
     cursor::CursorFile,
     dechunk::Dechunk,
     parser::{Dispatched, Parsed, Parser},
-    policy::{ReconnectPolicy, HEALTHY_AFTER},
+    policy::{ReconnectPolicy, FLOOR, HEALTHY_AFTER},
 };
+
+/// A token, as a future that answers it or why there is none.
+pub type TokenFuture = Pin<Box<dyn Future<Output = Result<String, String>> + Send>>;
+
+/// Where the client's bearer token comes from.
+#[derive(Clone, Default)]
+pub enum Token {
+    /// No token (the hub's `auth.mode = "none"`).
+    #[default]
+    None,
+    /// The same token for every connection: it cannot be refreshed, so a 401 is final.
+    Fixed(String),
+    /// Asked before every connection (a `token_expired` or a 401 makes the next one): a file
+    /// that another process keeps fresh, or the application's identity provider.
+    Source(Arc<dyn Fn() -> TokenFuture + Send + Sync>),
+}
+
+impl Token {
+    /// A token read from `path` before every connection (surrounding white space ignored).
+    pub fn file(path: PathBuf) -> Token {
+        Token::Source(Arc::new(move || {
+            let path = path.clone();
+            Box::pin(async move {
+                let text = tokio::fs::read_to_string(&path).await.map_err(|error| {
+                    format!("cannot read the token file {}: {error}", path.display())
+                })?;
+                let token = text.trim();
+                if token.is_empty() {
+                    return Err(format!("the token file {} is empty", path.display()));
+                }
+                Ok(token.to_string())
+            })
+        }))
+    }
+
+    fn refreshable(&self) -> bool {
+        matches!(self, Token::Source(_))
+    }
+
+    async fn get(&self) -> Result<Option<String>, String> {
+        match self {
+            Token::None => Ok(None),
+            Token::Fixed(token) => Ok(Some(token.clone())),
+            Token::Source(source) => source().await.map(Some),
+        }
+    }
+}
+
+impl std::fmt::Debug for Token {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Token::None => "Token::None",
+            Token::Fixed(_) => "Token::Fixed(..)",
+            Token::Source(_) => "Token::Source(..)",
+        })
+    }
+}
 
 #[derive(Debug, Clone)]
 pub struct ClientOptions {
@@ -51,7 +112,7 @@ pub struct ClientOptions {
     pub ca_file: Option<PathBuf>,
     pub device: String,
     /// Sent as `Authorization: Bearer <token>`.
-    pub token: Option<String>,
+    pub token: Token,
     /// At-least-once when set: the cursor survives restarts of the application.
     pub cursor_file: Option<PathBuf>,
     /// The hub's `sse.heartbeat`; three of them without a byte mean the connection is dead.
@@ -89,6 +150,9 @@ pub enum ClientError {
     Refused { status: u16, body: String },
     #[error("cursor file {path}: {source}")]
     Cursor { path: PathBuf, source: io::Error },
+    /// The device's tokens were revoked: a new one must be issued before it may connect again.
+    #[error("the hub revoked this device's token: {0}")]
+    Revoked(String),
 }
 
 #[derive(Clone)]
@@ -143,58 +207,15 @@ fn target(options: &ClientOptions) -> Result<Target, ClientError> {
 
 /// A TLS connector trusting `ca_file`'s authorities, or the system's.
 fn connector(ca_file: Option<&Path>) -> Result<TlsConnector, ClientError> {
-    let mut roots = rustls::RootCertStore::empty();
-    match ca_file {
-        Some(path) => {
-            let certificates = CertificateDer::pem_file_iter(path)
-                .and_then(|found| found.collect::<Result<Vec<_>, _>>())
-                .map_err(|error| {
-                    ClientError::Tls(format!("CA file {}: {error}", path.display()))
-                })?;
-            roots.add_parsable_certificates(certificates);
-            if roots.is_empty() {
-                return Err(ClientError::Tls(format!(
-                    "CA file {} holds no usable certificate",
-                    path.display()
-                )));
-            }
-        }
-        None => {
-            roots.add_parsable_certificates(rustls_native_certs::load_native_certs().certs);
-            if roots.is_empty() {
-                return Err(ClientError::Tls(
-                    "this system has no certificate authorities to trust; give a CA file".into(),
-                ));
-            }
-        }
-    }
-    let config = rustls::ClientConfig::builder_with_provider(Arc::new(
-        rustls::crypto::ring::default_provider(),
-    ))
-    .with_safe_default_protocol_versions()
-    .map_err(|error| ClientError::Tls(error.to_string()))?
-    .with_root_certificates(roots)
-    .with_no_client_auth();
-    Ok(TlsConnector::from(Arc::new(config)))
+    http::tls_connector(ca_file).map_err(ClientError::Tls)
 }
 
-/// A connection to the hub, with or without TLS.
-trait Connection: AsyncRead + AsyncWrite + Unpin + Send {}
-impl<T: AsyncRead + AsyncWrite + Unpin + Send> Connection for T {}
-
-async fn connect(target: &Target) -> Result<Box<dyn Connection>, String> {
-    let stream = TcpStream::connect(&target.host_port)
-        .await
-        .map_err(|error| format!("cannot connect to {}: {error}", target.host_port))?;
-    let _ = stream.set_nodelay(true);
-    let Some((connector, name)) = &target.tls else {
-        return Ok(Box::new(stream));
-    };
-    let stream = connector
-        .connect(name.clone(), stream)
-        .await
-        .map_err(|error| format!("TLS handshake with {} failed: {error}", target.host_port))?;
-    Ok(Box::new(stream))
+async fn connect(target: &Target) -> Result<Box<dyn http::Connection>, String> {
+    let tls = target
+        .tls
+        .as_ref()
+        .map(|(connector, name)| (connector, name.clone()));
+    http::connect(&target.host_port, tls).await
 }
 
 /// How one connection ended.
@@ -206,6 +227,8 @@ enum Ended {
     },
     /// The server ended the stream itself (a drain): come back after its `retry:`.
     Closed,
+    /// The stream's token ended: come back soon with a fresh one.
+    TokenExpired,
     Fatal(ClientError),
 }
 
@@ -222,8 +245,9 @@ pub async fn follow(
 ) -> Result<(), ClientError> {
     let target = target(&options)?;
     let store = options.cursor_file.clone().map(CursorFile::new);
-    let acker = (options.ack && store.is_some())
-        .then(|| ack::Acker::start(target.clone(), options.token.clone()));
+    // The token of the current connection, which the acks use too.
+    let (current_token, tokens) = tokio::sync::watch::channel(None::<String>);
+    let acker = (options.ack && store.is_some()).then(|| ack::Acker::start(target.clone(), tokens));
     let kept = Kept {
         store: store.as_ref(),
         acker: acker.as_ref(),
@@ -239,16 +263,26 @@ pub async fn follow(
     loop {
         let started = Instant::now();
         let mut delivered = 0u64;
-        let ended = connect_once(
-            &options,
-            &target,
-            &kept,
-            &mut cursor,
-            &mut policy,
-            &mut delivered,
-            &mut notify,
-        )
-        .await;
+        let ended = match options.token.get().await {
+            Ok(token) => {
+                current_token.send_replace(token.clone());
+                connect_once(
+                    &options,
+                    token.as_deref(),
+                    &target,
+                    &kept,
+                    &mut cursor,
+                    &mut policy,
+                    &mut delivered,
+                    &mut notify,
+                )
+                .await
+            }
+            Err(reason) => Ended::Retry {
+                reason: format!("no token: {reason}"),
+                retry_after: None,
+            },
+        };
         let (reason, retry_after, closed_by_server) = match ended {
             Ended::Fatal(error) => return Err(error),
             Ended::Retry {
@@ -256,6 +290,17 @@ pub async fn follow(
                 retry_after,
             } => (reason, retry_after, false),
             Ended::Closed => ("the hub ended the stream".to_string(), None, true),
+            Ended::TokenExpired => {
+                // Nothing failed: come back with a fresh token within a second or two, spread
+                // so that tokens minted together do not bring their devices back together.
+                let reconnect_in = FLOOR + FLOOR.mul_f64(rand::random::<f64>());
+                notify(Notice::Disconnected {
+                    reason: "the token expired".into(),
+                    reconnect_in,
+                });
+                tokio::time::sleep(reconnect_in).await;
+                continue;
+            }
         };
         let healthy = closed_by_server || delivered > 0 || started.elapsed() >= HEALTHY_AFTER;
         let reconnect_in = policy.next_delay(healthy, retry_after, &mut rand::rng());
@@ -267,8 +312,10 @@ pub async fn follow(
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn connect_once(
     options: &ClientOptions,
+    token: Option<&str>,
     target: &Target,
     kept: &Kept<'_>,
     cursor: &mut Option<String>,
@@ -296,11 +343,7 @@ async fn connect_once(
     if let Some(cursor) = cursor.as_deref().filter(|c| !c.contains(['\r', '\n'])) {
         request.push_str(&format!("Last-Event-ID: {cursor}\r\n"));
     }
-    if let Some(token) = options
-        .token
-        .as_deref()
-        .filter(|t| !t.contains(['\r', '\n']))
-    {
+    if let Some(token) = token.filter(|t| !t.contains(['\r', '\n'])) {
         request.push_str(&format!("Authorization: Bearer {token}\r\n"));
     }
     request.push_str("\r\n");
@@ -343,6 +386,12 @@ async fn connect_once(
     if status != 200 {
         let text = String::from_utf8_lossy(&body).into_owned();
         return match status {
+            401 if text.contains("\"token_revoked\"") => Ended::Fatal(ClientError::Revoked(text)),
+            // The source may have a new token by the next attempt; the back-off paces it.
+            401 if options.token.refreshable() => Ended::Retry {
+                reason: format!("the hub refused the token: {text}"),
+                retry_after: None,
+            },
             400 | 401 | 403 | 404 => Ended::Fatal(ClientError::Refused { status, body: text }),
             _ => Ended::Retry {
                 reason: format!("the hub answered {status}"),
@@ -374,6 +423,14 @@ async fn connect_once(
             match parsed {
                 Parsed::Retry(ms) => policy.set_retry(Duration::from_millis(ms)),
                 Parsed::Comment(_) => {}
+                // The hub's own last words carry no id (an event published with such a type
+                // always has one).
+                Parsed::Event(event) if !event.own_id && event.event_type == "token_expired" => {
+                    return Ended::TokenExpired;
+                }
+                Parsed::Event(event) if !event.own_id && event.event_type == "revoked" => {
+                    return Ended::Fatal(ClientError::Revoked(event.data));
+                }
                 Parsed::Event(event) => {
                     let resync = event.event_type == "resync";
                     if resync {
@@ -433,7 +490,7 @@ mod tests {
             base_url: url.into(),
             ca_file: None,
             device: "pos-1".into(),
-            token: None,
+            token: Token::None,
             cursor_file: None,
             heartbeat: Duration::from_secs(20),
             ack: false,

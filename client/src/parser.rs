@@ -101,6 +101,9 @@ impl Lines {
 pub struct Dispatched {
     /// The last event id after this event (the id a client resumes from).
     pub id: Option<String>,
+    /// Whether this event's own block had an `id:` line: the hub's own last words
+    /// (`token_expired`, `revoked`) have none, every stored event has one.
+    pub own_id: bool,
     pub event_type: String,
     pub data: String,
 }
@@ -125,6 +128,8 @@ struct EventState {
     data: Option<String>,
     event_type: String,
     last_id: Option<String>,
+    /// The block being read has an `id:` line.
+    block_has_id: bool,
 }
 
 impl Parser {
@@ -152,6 +157,7 @@ impl EventState {
                 if let Some(data) = self.data.take() {
                     out.push(Parsed::Event(Dispatched {
                         id: self.last_id.clone(),
+                        own_id: self.block_has_id,
                         event_type: if self.event_type.is_empty() {
                             "message".into()
                         } else {
@@ -161,6 +167,7 @@ impl EventState {
                     }));
                 }
                 self.event_type.clear();
+                self.block_has_id = false;
             }
             Line::Comment(comment) => out.push(Parsed::Comment(text(comment))),
             Line::Field { name, value } => match name {
@@ -172,7 +179,10 @@ impl EventState {
                     }
                     None => self.data = Some(text(value)),
                 },
-                b"id" if !value.contains(&0) => self.last_id = Some(text(value)),
+                b"id" if !value.contains(&0) => {
+                    self.last_id = Some(text(value));
+                    self.block_has_id = true;
+                }
                 b"retry" if !value.is_empty() && value.iter().all(u8::is_ascii_digit) => {
                     if let Ok(ms) = std::str::from_utf8(value).unwrap_or("").parse() {
                         out.push(Parsed::Retry(ms));

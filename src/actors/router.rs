@@ -29,13 +29,14 @@ use actix::prelude::*;
 use bytes::Bytes;
 
 use super::{
+    deadlines::Deadlines,
     fleet::{SessionChange, SessionChanges},
     rotation::Rotation,
 };
 use crate::{
-    backend::fleet::RACE_WINDOW,
+    backend::{fleet::RACE_WINDOW, revocation::Revoked},
     metrics::{Metrics, RouteResult},
-    model::{CloseReason, DeviceId, EpochId, Position, ResyncReason, Target},
+    model::{shard_of, unix_ms, CloseReason, DeviceId, EpochId, Position, ResyncReason, Target},
     sse::QueueItem,
     stream::{
         Change, Close, DrainTarget, Membership, QueueWatch, Register, Route, TrySendError,
@@ -98,6 +99,15 @@ pub struct CloseOlder {
     pub session: u64,
 }
 
+/// The tokens of `device` issued until `at_ms` are revoked: its streams that came with such a
+/// token (or with none, auth `none`) close with `event: revoked`.
+#[derive(Message, Debug, Clone)]
+#[rtype(result = "()")]
+pub struct CloseRevoked {
+    pub device: DeviceId,
+    pub at_ms: u64,
+}
+
 /// What the rotation keeps of a connection.
 #[derive(Debug)]
 struct Member {
@@ -125,6 +135,27 @@ pub struct Router {
     metrics: Arc<Metrics>,
     /// Where joins and leaves go for presence, and this pod's instance.
     fleet: Option<AttachFleet>,
+    /// When the streams that came with a token must end.
+    deadlines: Deadlines,
+    /// The pod's view of the revocations: a stream that registers with a revoked token (its
+    /// check passed just before the revocation was known) closes at once.
+    revoked: Arc<Revoked>,
+}
+
+/// How a Router ends streams whose token ends: `auth.leeway` after `exp`, and at revocations.
+pub struct TokenRules {
+    pub leeway: Duration,
+    pub revoked: Arc<Revoked>,
+}
+
+/// The default leeway, and no revocation.
+impl Default for TokenRules {
+    fn default() -> Self {
+        Self {
+            leeway: Duration::from_secs(30),
+            revoked: Revoked::new(),
+        }
+    }
 }
 
 impl Router {
@@ -133,6 +164,7 @@ impl Router {
         heartbeat: Duration,
         stall_timeout: Duration,
         metrics: Arc<Metrics>,
+        tokens: TokenRules,
     ) -> Self {
         let rotation = Rotation::new(heartbeat);
         let stall_slices_per_tick = rotation.slices_per_tick(STALL_SWEEP);
@@ -144,6 +176,8 @@ impl Router {
             stall_slices_per_tick,
             metrics,
             fleet: None,
+            deadlines: Deadlines::new(tokens.leeway.as_millis() as u64),
+            revoked: tokens.revoked,
         }
     }
 
@@ -208,11 +242,48 @@ impl Router {
     }
 
     fn remove(&mut self, shard: u32, device: &DeviceId) -> Option<Route> {
-        self.shards[shard as usize].remove(device)
+        let route = self.shards[shard as usize].remove(device)?;
+        self.forget_deadline(&route);
+        Some(route)
     }
 
-    /// One tick: pings the next slice, and checks the next few slices for stalled clients.
+    fn forget_deadline(&mut self, route: &Route) {
+        if let Some(exp) = route.credential.expires {
+            self.deadlines.remove(route.connection_id, exp);
+        }
+    }
+
+    /// Ends the route of `device` (if it is still `connection_id`'s) with `close`.
+    fn close_route(&mut self, shard: u32, device: &DeviceId, connection_id: u64, close: Close) {
+        let current = self.shards[shard as usize]
+            .get(device)
+            .is_some_and(|route| route.connection_id == connection_id);
+        if current {
+            if let Some(route) = self.remove(shard, device) {
+                route.control.close.do_send(close);
+            }
+        }
+    }
+
+    /// Ends the streams whose token ended.
+    fn expire_tokens(&mut self) {
+        if self.deadlines.is_empty() {
+            return;
+        }
+        for due in self.deadlines.take_due(unix_ms()) {
+            self.close_route(
+                due.shard,
+                &due.device,
+                due.connection_id,
+                Close::token_expired(due.exp),
+            );
+        }
+    }
+
+    /// One tick: pings the next slice, checks the next few slices for stalled clients, and ends
+    /// the streams whose token ended.
     fn tick(&mut self) {
+        self.expire_tokens();
         let slices = self.rotation.slices();
         let now = Instant::now();
         self.ping_slice(self.ticks % slices, now);
@@ -417,6 +488,28 @@ impl Handler<AttachFleet> for Router {
     }
 }
 
+impl Handler<CloseRevoked> for Router {
+    type Result = ();
+
+    fn handle(&mut self, revoked: CloseRevoked, _: &mut Context<Self>) {
+        let shard = shard_of(revoked.device.as_str(), self.shards.len() as u32);
+        let Some(route) = self.shards[shard as usize].get(&revoked.device) else {
+            return;
+        };
+        // Without a token (auth `none`) the stream closes too: there is nothing else to end.
+        let covered = !route.credential.has_token() || route.credential.revoked_by(revoked.at_ms);
+        if covered {
+            let connection_id = route.connection_id;
+            self.close_route(
+                shard,
+                &revoked.device,
+                connection_id,
+                Close::revoked(revoked.at_ms / 1000),
+            );
+        }
+    }
+}
+
 impl Handler<CloseOlder> for Router {
     type Result = ();
 
@@ -442,19 +535,38 @@ impl Handler<CloseOlder> for Router {
 
 impl Router {
     fn join(&mut self, register: Register) {
+        let (shard, connection_id, credential) = (
+            register.shard,
+            register.route.connection_id,
+            register.route.credential,
+        );
         self.rotation.join(Member {
-            shard: register.shard,
+            shard,
             device: register.device.clone(),
-            connection_id: register.route.connection_id,
+            connection_id,
             queue: register.route.queue.watch(),
         });
-        if let Some(previous) =
-            self.shards[register.shard as usize].insert(register.device, register.route)
+        if let Some(exp) = credential.expires {
+            self.deadlines
+                .insert(shard, register.device.clone(), connection_id, exp);
+        }
+        let device = register.device.clone();
+        if let Some(previous) = self.shards[shard as usize].insert(register.device, register.route)
         {
+            self.forget_deadline(&previous);
             previous
                 .control
                 .close
                 .do_send(Close::now(CloseReason::Takeover));
+        }
+        if credential.has_token() {
+            if let Some(at_ms) = self
+                .revoked
+                .of(device.as_str())
+                .filter(|at_ms| credential.revoked_by(*at_ms))
+            {
+                self.close_route(shard, &device, connection_id, Close::revoked(at_ms / 1000));
+            }
         }
     }
 
@@ -590,7 +702,13 @@ mod tests {
         fn with(shards: u32, heartbeat: Duration, stall_timeout: Duration) -> Self {
             let metrics = Arc::new(Metrics::new(Registry::new(), "memory"));
             Self {
-                router: Router::new(shards, heartbeat, stall_timeout, metrics.clone()),
+                router: Router::new(
+                    shards,
+                    heartbeat,
+                    stall_timeout,
+                    metrics.clone(),
+                    TokenRules::default(),
+                ),
                 context: Context::new(),
                 metrics,
                 peers: Vec::new(),
@@ -624,6 +742,7 @@ mod tests {
                     },
                     opened_ms: 0,
                     progress: progress.clone(),
+                    credential: Default::default(),
                 },
                 peer: Default::default(),
             };
@@ -977,6 +1096,7 @@ mod tests {
             Duration::from_millis(100),
             Duration::from_millis(40),
             metrics,
+            TokenRules::default(),
         )
         .start();
         router.do_send(Membership(vec![Change::Join(register)]));

@@ -47,6 +47,7 @@ pub mod fleet;
 pub mod memory;
 pub mod nats;
 pub mod redis;
+pub mod revocation;
 
 use std::{ops::Range, sync::Arc, time::Duration};
 

@@ -58,6 +58,9 @@ pub enum CliError {
     Usage(String),
     #[error("{0}")]
     Failed(String),
+    /// `posthorn tail`: the device's token was revoked (exit status 3).
+    #[error("{0}")]
+    Revoked(String),
     #[error(transparent)]
     Loadtest(#[from] LoadtestError),
 }
@@ -73,6 +76,7 @@ impl CliError {
             CliError::Serve(_)
             | CliError::Failed(_)
             | CliError::Loadtest(LoadtestError::Failed(_)) => 1,
+            CliError::Revoked(_) => 3,
         }
     }
 }

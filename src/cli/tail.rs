@@ -1,12 +1,13 @@
 //! `posthorn tail`: the reference POS client (docs/client-contract.md) on the command line. One line per event on
-//! stdout; connections, reconnects and resyncs are reported on stderr.
+//! stdout; connections, reconnects and resyncs are reported on stderr. A revoked token ends it
+//! with exit status 3.
 
 use std::{io::Write, path::PathBuf, time::Duration};
 
 use serde_json::json;
 
 use super::CliError;
-use posthorn_client::{follow, ClientOptions, Notice};
+use posthorn_client::{follow, ClientError, ClientOptions, Notice, Token};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Format {
@@ -27,9 +28,14 @@ pub struct TailArgs {
     /// Device to follow.
     #[arg(long)]
     pub device: String,
-    /// Bearer token (jwt auth).
-    #[arg(long)]
+    /// Bearer token (jwt auth); it cannot be refreshed, so its expiry ends the client.
+    #[arg(long, conflicts_with = "token_file")]
     pub token: Option<String>,
+    /// Read the bearer token from this file before every connection, and again after the hub
+    /// ends a stream with `token_expired` or answers 401: keep it fresh and the client crosses
+    /// token lifetimes without losing an event.
+    #[arg(long, value_name = "FILE")]
+    pub token_file: Option<PathBuf>,
     /// Keep the cursor here (at-least-once); without it, events missed while away are not
     /// replayed (at-most-once).
     #[arg(long, value_name = "FILE")]
@@ -55,7 +61,11 @@ pub fn run(args: TailArgs) -> Result<(), CliError> {
         base_url: args.url.trim_end_matches('/').to_string(),
         ca_file: args.ca_file,
         device: args.device,
-        token: args.token,
+        token: match (args.token, args.token_file) {
+            (Some(token), _) => Token::Fixed(token),
+            (None, Some(path)) => Token::file(path),
+            (None, None) => Token::None,
+        },
         cursor_file: args.cursor_file,
         heartbeat: args.heartbeat,
         ack: !args.no_ack,
@@ -65,9 +75,13 @@ pub fn run(args: TailArgs) -> Result<(), CliError> {
         .enable_all()
         .build()
         .map_err(|error| CliError::Failed(format!("cannot start the runtime: {error}")))?;
-    runtime
-        .block_on(follow(options, move |notice| report(format, notice)))
-        .map_err(|error| CliError::Failed(error.to_string()))
+    match runtime.block_on(follow(options, move |notice| report(format, notice))) {
+        Ok(()) => Ok(()),
+        Err(ClientError::Revoked(reason)) => Err(CliError::Revoked(format!(
+            "the hub revoked this device's token ({reason}): a new token must be issued"
+        ))),
+        Err(error) => Err(CliError::Failed(error.to_string())),
+    }
 }
 
 fn report(format: Format, notice: Notice) {

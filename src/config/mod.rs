@@ -635,6 +635,13 @@ mode = "jwt"
 jwt_secret = "s3cret"
 jwt_secret_file = ""
 jwt_public_key_file = ""
+jwks_url = "https://idp.example/.well-known/jwks.json"
+jwks_ca_file = "/etc/posthorn/idp-ca.pem"
+jwks_refresh = "10m"
+issuer = "https://idp.example/"
+audience = "posthorn"
+leeway = "5s"
+revocation_retention = "7d"
 [publish]
 dedupe_window = "1h"
 [limits]
@@ -723,6 +730,13 @@ debounce = "0s"
                 "jwt_secret": "(set)",
                 "jwt_secret_file": "",
                 "jwt_public_key_file": "",
+                "jwks_url": "https://idp.example/.well-known/jwks.json",
+                "jwks_ca_file": "/etc/posthorn/idp-ca.pem",
+                "jwks_refresh": "10m",
+                "issuer": "https://idp.example/",
+                "audience": "posthorn",
+                "leeway": "5s",
+                "revocation_retention": "7d",
             },
             "publish": { "dedupe_window": "1h" },
             "limits": {
@@ -756,6 +770,13 @@ debounce = "0s"
                 "jwt_secret": "(empty)",
                 "jwt_secret_file": "",
                 "jwt_public_key_file": "/etc/posthorn/k.pem",
+                "jwks_url": "",
+                "jwks_ca_file": "",
+                "jwks_refresh": "5m",
+                "issuer": "",
+                "audience": "",
+                "leeway": "30s",
+                "revocation_retention": "30d",
             })
         );
     }

@@ -220,6 +220,13 @@ pub struct RawAuth {
     pub jwt_secret: String,
     pub jwt_secret_file: String,
     pub jwt_public_key_file: String,
+    pub jwks_url: String,
+    pub jwks_ca_file: String,
+    pub jwks_refresh: String,
+    pub issuer: String,
+    pub audience: String,
+    pub leeway: String,
+    pub revocation_retention: String,
 }
 
 impl Default for RawAuth {
@@ -229,6 +236,13 @@ impl Default for RawAuth {
             jwt_secret: String::new(),
             jwt_secret_file: String::new(),
             jwt_public_key_file: String::new(),
+            jwks_url: String::new(),
+            jwks_ca_file: String::new(),
+            jwks_refresh: "5m".into(),
+            issuer: String::new(),
+            audience: String::new(),
+            leeway: "30s".into(),
+            revocation_retention: "30d".into(),
         }
     }
 }
@@ -241,6 +255,13 @@ impl std::fmt::Debug for RawAuth {
             .field("jwt_secret", &super::secret::marker(&self.jwt_secret))
             .field("jwt_secret_file", &self.jwt_secret_file)
             .field("jwt_public_key_file", &self.jwt_public_key_file)
+            .field("jwks_url", &self.jwks_url)
+            .field("jwks_ca_file", &self.jwks_ca_file)
+            .field("jwks_refresh", &self.jwks_refresh)
+            .field("issuer", &self.issuer)
+            .field("audience", &self.audience)
+            .field("leeway", &self.leeway)
+            .field("revocation_retention", &self.revocation_retention)
             .finish()
     }
 }

@@ -33,7 +33,7 @@ pub async fn page(
     state: web::Data<AppState>,
 ) -> Result<HttpResponse, ApiError> {
     if !state.auth.is_enabled() {
-        ops::require_admin(&request, &state)?;
+        ops::require_admin(&request, &state).await?;
     }
     Ok(HttpResponse::Ok()
         .content_type("text/html; charset=utf-8")

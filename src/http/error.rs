@@ -46,6 +46,9 @@ pub enum ApiError {
     Internal(&'static str),
     #[error("{0}")]
     Unauthorized(String),
+    /// A revocation of the token's device covers it.
+    #[error("{0}")]
+    TokenRevoked(String),
     #[error("{0}")]
     Forbidden(String),
     #[error("no such endpoint")]
@@ -77,6 +80,7 @@ impl ApiError {
             ApiError::Backend(_) | ApiError::BackendSilent(_) => "backend_unavailable",
             ApiError::Internal(_) => "internal_error",
             ApiError::Unauthorized(_) => "unauthorized",
+            ApiError::TokenRevoked(_) => "token_revoked",
             ApiError::Forbidden(_) => "forbidden",
             ApiError::NotFound => "not_found",
             ApiError::DeviceNotFound(_) => "device_not_found",
@@ -112,7 +116,7 @@ impl ResponseError for ApiError {
             | ApiError::Backend(_)
             | ApiError::BackendSilent(_) => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
-            ApiError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
+            ApiError::Unauthorized(_) | ApiError::TokenRevoked(_) => StatusCode::UNAUTHORIZED,
             ApiError::Forbidden(_) => StatusCode::FORBIDDEN,
             ApiError::NotFound
             | ApiError::DeviceNotFound(_)
@@ -134,7 +138,7 @@ impl ResponseError for ApiError {
             }
         }
         let mut response = HttpResponse::build(self.status_code());
-        if let ApiError::Unauthorized(_) = self {
+        if let ApiError::Unauthorized(_) | ApiError::TokenRevoked(_) = self {
             response.insert_header(("WWW-Authenticate", "Bearer"));
         }
         if let Some(seconds) = self.retry_after() {

@@ -4,6 +4,8 @@
 //! Reads need the `fleet` scope (jwt) or, with auth `none`, follow the admin rules (a loopback
 //! client; pages of named origins only). An ack needs the device's own token, as its stream does.
 
+use std::time::Duration;
+
 use actix_web::{web, HttpRequest, HttpResponse};
 use futures_util::StreamExt;
 use serde::Deserialize;
@@ -20,6 +22,7 @@ use crate::{
     actors::fleet::SubscribeEvents,
     backend::fleet::{DeviceRecord, OnlineFilter},
     model::{shard_of, unix_ms, Cursor, DeviceId, Target},
+    sse::Farewell,
 };
 
 /// Devices per page when the request names no `limit`, and the most it may name.
@@ -53,8 +56,8 @@ fn fleet_of(state: &AppState) -> Result<&super::FleetHandle, ApiError> {
     state.fleet.as_ref().ok_or(ApiError::FleetDisabled)
 }
 
-fn require_fleet_reader(request: &HttpRequest, state: &AppState) -> Result<(), ApiError> {
-    state.auth.check(request, Access::Fleet)?;
+async fn require_fleet_reader(request: &HttpRequest, state: &AppState) -> Result<(), ApiError> {
+    state.auth.check(request, Access::Fleet).await?;
     if state.auth.is_enabled() {
         return Ok(());
     }
@@ -111,7 +114,7 @@ pub async fn device(
     state: &AppState,
 ) -> Result<HttpResponse, ApiError> {
     let device = parse_device(device_text)?;
-    require_fleet_reader(request, state)?;
+    require_fleet_reader(request, state).await?;
     let fleet = fleet_of(state)?;
     match fleet.store.device(&device).await? {
         Some(record) => Ok(HttpResponse::Ok().json(record_json(&record))),
@@ -124,7 +127,7 @@ pub async fn list(request: &HttpRequest, state: &AppState) -> Result<HttpRespons
     let query = web::Query::<ListQuery>::from_query(request.query_string())
         .map_err(|error| ApiError::InvalidRequest(format!("invalid query string: {error}")))?
         .into_inner();
-    require_fleet_reader(request, state)?;
+    require_fleet_reader(request, state).await?;
     let fleet = fleet_of(state)?;
     let filter = match query.online.as_deref() {
         None => OnlineFilter::Any,
@@ -162,7 +165,7 @@ pub async fn ack(
     state: &AppState,
 ) -> Result<HttpResponse, ApiError> {
     let device = parse_device(device_text)?;
-    state.auth.check(request, Access::Ack(&device))?;
+    state.auth.check(request, Access::Ack(&device)).await?;
     require_json(request, "POST /v1/devices/{device}/ack")?;
     let fleet = fleet_of(state)?;
     let body = read_limited(request, payload, MAX_ACK_BODY).await?;
@@ -223,7 +226,7 @@ pub async fn unacknowledged(
     let query = web::Query::<UnackedQuery>::from_query(request.query_string())
         .map_err(|error| ApiError::InvalidRequest(format!("invalid query string: {error}")))?
         .into_inner();
-    require_fleet_reader(request, state)?;
+    require_fleet_reader(request, state).await?;
     let fleet = fleet_of(state)?;
     let event_text = query
         .event
@@ -309,12 +312,17 @@ fn unknown_or(record: Option<DeviceRecord>, device: &DeviceId) -> Value {
     }
 }
 
-/// `GET /v1/fleet/events`: `device.online` / `device.offline` as the fleet goes.
+/// `GET /v1/fleet/events`: `device.online` / `device.offline` as the fleet goes. With a token
+/// that expires, the stream ends at its `exp` plus `auth.leeway` with `event: token_expired`, as
+/// a device's stream does.
 pub async fn events(
     request: HttpRequest,
     state: web::Data<AppState>,
 ) -> Result<HttpResponse, ApiError> {
-    require_fleet_reader(&request, &state)?;
+    let credential = state.auth.check(&request, Access::Fleet).await?;
+    if !state.auth.is_enabled() {
+        ops::loopback_only(request.peer_addr(), "fleet endpoints")?;
+    }
     let fleet = fleet_of(&state)?;
     if state.pod.is_draining() {
         return Err(ApiError::Draining);
@@ -324,10 +332,34 @@ pub async fn events(
         .send(SubscribeEvents)
         .await
         .map_err(|_| ApiError::Internal("the fleet actor is gone: the hub is stopping"))?;
-    let body = futures_util::stream::unfold(receiver, |mut receiver| async move {
-        let frame = receiver.recv().await?;
-        Some((Ok::<_, actix_web::Error>(frame), receiver))
-    })
+    let ends = credential.expires.map(|exp| {
+        let at_ms = exp
+            .saturating_mul(1000)
+            .saturating_add(state.config.auth.leeway.as_millis() as u64);
+        let left = Duration::from_millis(at_ms.saturating_sub(unix_ms()));
+        (exp, tokio::time::Instant::now() + left)
+    });
+    let body = futures_util::stream::unfold(
+        (receiver, ends, false),
+        move |(mut receiver, ends, ended)| async move {
+            if ended {
+                return None;
+            }
+            let Some((exp, at)) = ends else {
+                let frame = receiver.recv().await?;
+                return Some((Ok::<_, actix_web::Error>(frame), (receiver, ends, false)));
+            };
+            tokio::select! {
+                frame = receiver.recv() => {
+                    Some((Ok(frame?), (receiver, ends, false)))
+                }
+                () = tokio::time::sleep_until(at) => {
+                    let frame = Farewell::TokenExpired { exp }.frame();
+                    Some((Ok(frame), (receiver, ends, true)))
+                }
+            }
+        },
+    )
     .boxed_local();
     Ok(HttpResponse::Ok()
         .content_type("text/event-stream")

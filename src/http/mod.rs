@@ -6,6 +6,7 @@ pub mod console;
 pub mod cors;
 pub mod error;
 pub mod fleet;
+pub mod jwks;
 pub mod ops;
 pub mod publish;
 pub mod server;
@@ -21,11 +22,12 @@ use socket2::{Domain, Protocol, Socket, TcpKeepalive, Type};
 use crate::{
     actors::{
         fleet::Fleet,
+        revocations::Revocations,
         router::Router,
         shutdown::{SharedDrainStatus, Shutdown},
         stream_tail::SharedTailStatus,
     },
-    backend::{fleet::FleetStore, Backend},
+    backend::{fleet::FleetStore, revocation::Revoked, Backend},
     config::Config,
     metrics::Metrics,
     pod::PodState,
@@ -51,6 +53,9 @@ pub struct AppState {
     pub auth: Arc<auth::Authenticator>,
     /// The fleet API; `None` with `presence.enabled = false`.
     pub fleet: Option<FleetHandle>,
+    /// Makes revocations; the pod's view of them is `revoked`.
+    pub revocations: Addr<Revocations>,
+    pub revoked: Arc<Revoked>,
 }
 
 /// The fleet store for reads and acks, and the actor for the fleet event stream.
@@ -104,6 +109,16 @@ pub fn configure(state: AppState) -> impl FnOnce(&mut web::ServiceConfig) {
             .service(web::resource("/metrics").route(web::get().to(ops::metrics)))
             .service(web::resource("/admin/status").route(web::get().to(ops::status)))
             .service(web::resource("/admin/drain").route(web::post().to(ops::drain)))
+            .service(
+                web::resource("/admin/revoke")
+                    .route(web::post().to(ops::revoke))
+                    .default_service(web::to(|| method_not_allowed("POST"))),
+            )
+            .service(
+                web::resource("/admin/revocations")
+                    .route(web::get().to(ops::revocations))
+                    .default_service(web::to(|| method_not_allowed("GET"))),
+            )
             .service(web::resource("/admin/console").route(web::get().to(console::page)))
             .default_service(web::to(not_found));
     }

@@ -1,14 +1,19 @@
-//! Operations endpoints (docs/http-api.md): health, readiness, metrics, status and drain.
+//! Operations endpoints (docs/http-api.md): health, readiness, metrics, status, drain and
+//! revocations.
 
 use std::time::Duration;
 
 use actix_web::{web, HttpRequest, HttpResponse};
 use serde::Deserialize;
-use serde_json::json;
+use serde_json::{json, Value};
 
 use super::auth::Access;
 use super::{error::ApiError, AppState};
-use crate::actors::shutdown::StartDrain;
+use crate::{
+    actors::{revocations::Revoke, shutdown::StartDrain},
+    backend::revocation::Revocation,
+    model::DeviceId,
+};
 
 /// How long readiness waits for the backend before calling it unreachable.
 const READY_TIMEOUT: Duration = Duration::from_secs(2);
@@ -61,8 +66,8 @@ pub async fn metrics(state: web::Data<AppState>) -> HttpResponse {
 
 /// Admin endpoints need the `admin` scope with jwt auth, and a loopback client that no browser
 /// sent for another site with auth `none`.
-pub(super) fn require_admin(request: &HttpRequest, state: &AppState) -> Result<(), ApiError> {
-    state.auth.check(request, Access::Admin)?;
+pub(super) async fn require_admin(request: &HttpRequest, state: &AppState) -> Result<(), ApiError> {
+    state.auth.check(request, Access::Admin).await?;
     if state.auth.is_enabled() {
         return Ok(());
     }
@@ -118,7 +123,7 @@ pub async fn status(
     request: HttpRequest,
     state: web::Data<AppState>,
 ) -> Result<HttpResponse, ApiError> {
-    require_admin(&request, &state)?;
+    require_admin(&request, &state).await?;
     let tails: Vec<_> = state
         .tails
         .iter()
@@ -150,7 +155,7 @@ pub async fn drain(
     query: web::Query<DrainQuery>,
     state: web::Data<AppState>,
 ) -> Result<HttpResponse, ApiError> {
-    require_admin(&request, &state)?;
+    require_admin(&request, &state).await?;
     let exit = query.exit.unwrap_or(true);
     let started = state
         .shutdown
@@ -165,4 +170,70 @@ pub async fn drain(
         "started": started,
         "exit": exit,
     })))
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RevokeBody {
+    device: String,
+}
+
+/// Largest revoke body: `{"device": "<128 characters>"}`.
+const MAX_REVOKE_BODY: usize = 4096;
+
+/// `POST /admin/revoke` with `{"device": "..."}`: the device's tokens issued until now are
+/// refused on every pod, and its open streams close with `event: revoked` within about a
+/// second (docs/security.md, "Revocation"). 202 once the backend stored it; 503 when it could
+/// not, in which case it holds on this pod only until it is made again.
+pub async fn revoke(
+    request: HttpRequest,
+    payload: web::Payload,
+    state: web::Data<AppState>,
+) -> Result<HttpResponse, ApiError> {
+    require_admin(&request, &state).await?;
+    super::publish::require_json(&request, "POST /admin/revoke")?;
+    let body = super::publish::read_limited(&request, payload, MAX_REVOKE_BODY).await?;
+    let RevokeBody { device: text } = serde_json::from_slice(&body)
+        .map_err(|error| ApiError::MalformedJson(error.to_string()))?;
+    let device = DeviceId::parse(&text).map_err(|source| ApiError::InvalidDevice {
+        device: text.clone(),
+        source,
+    })?;
+    let outcome = state
+        .revocations
+        .send(Revoke { device })
+        .await
+        .map_err(|_| ApiError::Internal("the revocations actor is gone: the hub is stopping"))?;
+    match outcome {
+        Ok(revocation) => Ok(HttpResponse::Accepted().json(revocation_json(&revocation))),
+        Err(failed) => {
+            log::warn!(
+                "revocation of {} holds on this pod only: {}",
+                failed.applied_here.device,
+                crate::report::Report(&failed.error)
+            );
+            Err(ApiError::Backend(failed.error))
+        }
+    }
+}
+
+/// `GET /admin/revocations`: every revocation this pod applies, newest first.
+pub async fn revocations(
+    request: HttpRequest,
+    state: web::Data<AppState>,
+) -> Result<HttpResponse, ApiError> {
+    require_admin(&request, &state).await?;
+    let all: Vec<Value> = state.revoked.list().iter().map(revocation_json).collect();
+    Ok(HttpResponse::Ok().json(json!({ "revocations": all })))
+}
+
+fn revocation_json(revocation: &Revocation) -> Value {
+    let at = jiff::Timestamp::from_millisecond(revocation.at_ms as i64)
+        .map(|at| at.to_string())
+        .unwrap_or_default();
+    json!({
+        "device": revocation.device.as_str(),
+        "revoked_at": at,
+        "revoked_at_ms": revocation.at_ms,
+    })
 }

@@ -50,7 +50,7 @@ async fn answer_publish(
     state: &AppState,
 ) -> Result<HttpResponse, ApiError> {
     // Before reading the body: an unauthenticated producer gets nothing buffered.
-    state.auth.check(&request, Access::Publish)?;
+    state.auth.check(&request, Access::Publish).await?;
     if let Err(error) = require_json(&request, "POST /v1/events") {
         state.metrics.published(PublishResult::Rejected, 1);
         return Err(error);
@@ -271,9 +271,8 @@ fn parse_item(
     };
     let event_type = match take_string(&mut object, "type", index)? {
         None => EventType::message(),
-        Some(text) => {
-            EventType::parse(&text).map_err(|error| invalid("type", format!("{text:?} {error}")))?
-        }
+        Some(text) => EventType::parse_published(&text)
+            .map_err(|error| invalid("type", format!("{text:?} {error}")))?,
     };
     let data = match object.remove("data") {
         None => return Err(invalid("data", "is required".into())),

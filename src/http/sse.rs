@@ -105,7 +105,7 @@ async fn stream(
         device: device_text.to_owned(),
         source,
     })?;
-    state.auth.check(request, Access::Stream(&device))?;
+    let credential = state.auth.check(request, Access::Stream(&device)).await?;
     if state.pod.is_draining() {
         return Err(ApiError::Draining);
     }
@@ -136,6 +136,7 @@ async fn stream(
                 .conn_data::<ConnectionSocket>()
                 .map(|socket| socket.0),
             peer: peer_of(request),
+            credential,
         })
         .await
         .map_err(|_| ApiError::Internal("the router is gone: the hub is stopping"))?;

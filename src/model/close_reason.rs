@@ -15,15 +15,21 @@ pub enum CloseReason {
     Takeover,
     /// The hub failed while serving the stream (backend error during replay, router gone).
     Error,
+    /// The stream's token expired (its `exp` plus `auth.leeway` passed).
+    TokenExpired,
+    /// The device's tokens were revoked (`POST /admin/revoke`).
+    Revoked,
 }
 
 impl CloseReason {
-    pub const ALL: [CloseReason; 5] = [
+    pub const ALL: [CloseReason; 7] = [
         CloseReason::Client,
         CloseReason::SlowConsumer,
         CloseReason::Drain,
         CloseReason::Takeover,
         CloseReason::Error,
+        CloseReason::TokenExpired,
+        CloseReason::Revoked,
     ];
 
     pub fn label(self) -> &'static str {
@@ -33,6 +39,8 @@ impl CloseReason {
             CloseReason::Drain => "drain",
             CloseReason::Takeover => "takeover",
             CloseReason::Error => "error",
+            CloseReason::TokenExpired => "token_expired",
+            CloseReason::Revoked => "revoked",
         }
     }
 }

@@ -18,7 +18,14 @@ pub enum IdentError {
     TooLong { len: usize, max: usize },
     #[error("contains {found:?}; only letters, digits and . _ : - are allowed")]
     BadChar { found: char },
+    #[error("is reserved for the events the hub itself writes")]
+    Reserved,
 }
+
+/// Event types the hub writes itself, without an `id:` (or, for `resync`, with the position to
+/// continue from): a published event of one of these types would be taken by a client for the
+/// hub's own word (a forged resync resets a terminal's cursor).
+pub const RESERVED_TYPES: [&str; 3] = ["resync", "token_expired", "revoked"];
 
 fn validate(text: &str, max: usize) -> Result<(), IdentError> {
     if text.is_empty() {
@@ -93,9 +100,18 @@ impl<'de> serde::Deserialize<'de> for DeviceId {
 pub struct EventType(Arc<str>);
 
 impl EventType {
+    /// A name with the event types' characters and length (a supersede name, say).
     pub fn parse(text: &str) -> Result<Self, IdentError> {
         validate(text, MAX_TYPE_LEN)?;
         Ok(Self(Arc::from(text)))
+    }
+
+    /// The type of a stored or published event: a name, and none of [`RESERVED_TYPES`].
+    pub fn parse_published(text: &str) -> Result<Self, IdentError> {
+        if RESERVED_TYPES.contains(&text) {
+            return Err(IdentError::Reserved);
+        }
+        Self::parse(text)
     }
 
     pub fn message() -> Self {
@@ -174,6 +190,17 @@ mod tests {
         assert!(EventType::parse(&"t".repeat(65)).is_err());
         assert!(EventType::parse("order.paid").is_ok());
         assert!(EventType::parse("order paid").is_err());
+        for reserved in RESERVED_TYPES {
+            assert_eq!(
+                EventType::parse_published(reserved),
+                Err(IdentError::Reserved)
+            );
+            assert!(
+                EventType::parse(reserved).is_ok(),
+                "a supersede name may be one"
+            );
+        }
+        assert!(EventType::parse_published("resync.done").is_ok());
     }
 
     /// `*` is the broadcast marker in stored entries and never a valid device id.

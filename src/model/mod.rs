@@ -2,12 +2,14 @@
 //! the opaque cursor that clients send back as `Last-Event-ID`. Everything here is pure.
 
 mod close_reason;
+mod credential;
 mod cursor;
 mod ident;
 mod resync;
 mod shard;
 
 pub use close_reason::CloseReason;
+pub use credential::Credential;
 pub use cursor::{Cursor, CursorError, Epoch, EpochId, Position};
 pub use ident::{DeviceId, EventType, IdentError, Target};
 pub use resync::ResyncReason;

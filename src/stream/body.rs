@@ -303,10 +303,10 @@ impl MessageBody for SseBody {
         if pings > 0 {
             this.metrics.sse_heartbeats_sent.inc_by(pings);
         }
-        // Every sender is gone: a clean end (drain) tells the client when to come back.
+        // Every sender is gone: a clean end tells the client when, or with what, to come back.
         if this.ended && !this.control.is_aborted() {
-            if let Some(retry_ms) = this.control.take_closing_retry() {
-                chunk.push(frame::retry(retry_ms));
+            if let Some(farewell) = this.control.take_farewell() {
+                chunk.push(farewell.frame());
             }
         }
         match chunk.into_bytes() {
@@ -350,6 +350,7 @@ mod tests {
     use super::*;
     use crate::{
         model::Epoch,
+        sse::Farewell,
         stream::{
             queue::{self, QueueSender, Waiting},
             tests::{chunks, read, Ending},
@@ -687,7 +688,7 @@ mod tests {
         stream.live(event("alpha", 3));
         stream.replay(floor("alpha", 1));
         stream.replay(event("alpha", 2));
-        stream.control.set_closing_retry(700);
+        stream.control.set_farewell(Farewell::Retry(700));
         stream.replay = None;
         stream.skip_prelude();
         assert_eq!(
@@ -708,7 +709,7 @@ mod tests {
         stream.live(event("alpha", 1));
         stream.live(QueueItem::Retry(1500));
         stream.live(event("alpha", 2));
-        stream.control.set_closing_retry(1500);
+        stream.control.set_farewell(Farewell::Retry(1500));
         stream.live = None;
         stream.skip_prelude();
         assert_eq!(
@@ -744,7 +745,7 @@ mod tests {
         let mut stream = Stream::fresh();
         stream.skip_prelude();
         stream.live(event("alpha", 1));
-        stream.control.set_closing_retry(500);
+        stream.control.set_farewell(Farewell::Retry(500));
         stream.live = None;
         stream.control.abort();
         assert_eq!(

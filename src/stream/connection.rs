@@ -44,11 +44,11 @@ use super::{
 };
 use crate::{
     metrics::Metrics,
-    model::{unix_ms, CloseReason, DeviceId},
+    model::{unix_ms, CloseReason, Credential, DeviceId},
     pod::PodState,
     replay::{ReplayError, Replayer},
     report::Report,
-    sse::{frame, QueueItem},
+    sse::{frame, Farewell, QueueItem},
 };
 
 /// Replayed frames buffered ahead of the client; replay waits when the client reads slowly.
@@ -63,9 +63,15 @@ const DRAIN_STALL: Duration = Duration::from_secs(2);
 #[rtype(result = "()")]
 pub struct Close {
     pub reason: CloseReason,
-    /// For a drain: how long the client may take to receive what is queued before it is cut off.
+    /// For a clean end: how long the client may take to receive what is queued before it is cut
+    /// off. Zero: at once, discarding what is queued.
     pub flush_within: Duration,
+    /// For a clean end: what the stream says last, after what is queued.
+    pub farewell: Option<Farewell>,
 }
+
+/// How long a client whose token ended (or was revoked) may take to receive what is queued.
+const TOKEN_END_FLUSH: Duration = Duration::from_secs(10);
 
 impl Close {
     /// Ends the stream without waiting for the client.
@@ -73,14 +79,37 @@ impl Close {
         Self {
             reason,
             flush_within: Duration::ZERO,
+            farewell: None,
         }
     }
 
-    /// A drain's close: what is queued is written first, within `flush_within`.
+    /// A drain's close: what is queued is written first, within `flush_within`, then the
+    /// `retry:` announced before.
     pub fn drain(flush_within: Duration) -> Self {
         Self {
             reason: CloseReason::Drain,
             flush_within,
+            farewell: None,
+        }
+    }
+
+    /// The stream's token ended at `exp` (Unix seconds; the leeway is past too): what is queued
+    /// is written, then `event: token_expired`.
+    pub fn token_expired(exp: u64) -> Self {
+        Self {
+            reason: CloseReason::TokenExpired,
+            flush_within: TOKEN_END_FLUSH,
+            farewell: Some(Farewell::TokenExpired { exp }),
+        }
+    }
+
+    /// The device's tokens until `at` (Unix seconds) were revoked: what is queued is written,
+    /// then `event: revoked`.
+    pub fn revoked(at: u64) -> Self {
+        Self {
+            reason: CloseReason::Revoked,
+            flush_within: TOKEN_END_FLUSH,
+            farewell: Some(Farewell::Revoked { at }),
         }
     }
 }
@@ -115,6 +144,8 @@ pub struct OpenStream {
     /// The TCP socket's fd, when the server recorded it.
     pub socket_fd: Option<std::os::fd::RawFd>,
     pub peer: Peer,
+    /// The token's `iat` and `exp`.
+    pub credential: Credential,
 }
 
 pub struct Connection {
@@ -185,6 +216,7 @@ impl Connection {
                     },
                     opened_ms: unix_ms(),
                     progress: Progress(control.clone()),
+                    credential: stream.credential,
                 },
                 peer: stream.peer,
             })
@@ -238,10 +270,16 @@ impl Connection {
         });
     }
 
-    /// A drain's close: the body writes what is queued and ends; this actor stays until the body
-    /// is gone, and cuts the client off if it does not take what is left in time.
-    fn drain(&mut self, flush_within: Duration, ctx: &mut Context<Self>) {
-        self.closing = Some(CloseReason::Drain);
+    /// A clean close (a drain, a token's end): the body writes what is queued and ends; this
+    /// actor stays until the body is gone, and cuts the client off if it does not take what is
+    /// left in time.
+    fn close_cleanly(
+        &mut self,
+        reason: CloseReason,
+        flush_within: Duration,
+        ctx: &mut Context<Self>,
+    ) {
+        self.closing = Some(reason);
         self.leave_router();
         if let Some(replay) = self.replaying.take() {
             ctx.cancel_future(replay);
@@ -334,8 +372,11 @@ impl Handler<Close> for Connection {
         if self.closing.is_some() {
             return;
         }
-        if close.reason == CloseReason::Drain && !close.flush_within.is_zero() {
-            self.drain(close.flush_within, ctx);
+        if let Some(farewell) = close.farewell {
+            self.control.set_farewell(farewell);
+        }
+        if !close.flush_within.is_zero() {
+            self.close_cleanly(close.reason, close.flush_within, ctx);
         } else {
             self.abort(close.reason);
             ctx.stop();
@@ -347,7 +388,7 @@ impl Handler<AnnounceRetry> for Connection {
     type Result = ();
 
     fn handle(&mut self, AnnounceRetry(retry_ms): AnnounceRetry, _: &mut Context<Self>) {
-        self.control.set_closing_retry(retry_ms);
+        self.control.set_farewell(Farewell::Retry(retry_ms));
         // A full queue cannot take it now; the close writes it after the queue anyway.
         if let Some(queue) = &self.queue {
             let _ = queue.try_send(QueueItem::Retry(retry_ms));

@@ -1,8 +1,8 @@
 //! [`StreamControl`]: what a Connection actor and its response body share to end the stream.
 //!
-//! Two ways to end, for two reasons. A drain ends cleanly: the Connection drops its queue sender
-//! and leaves the Router, the body writes what is queued, then the `retry:` stored here, then
-//! ends. An eviction (slow consumer, takeover) ends at once, as follows.
+//! Two ways to end, for two reasons. A drain (or a token's end) ends cleanly: the Connection
+//! drops its queue sender and leaves the Router, the body writes what is queued, then the
+//! [`Farewell`] stored here (`retry:`, `event: token_expired`, `event: revoked`), then ends. An eviction (slow consumer, takeover) ends at once, as follows.
 //!
 //! actix-http stops polling a response body while its write buffer is full, so a client that
 //! never reads would never see an error returned by the body: its connection (and everything
@@ -17,13 +17,13 @@
 use std::{
     os::fd::{BorrowedFd, RawFd},
     sync::{
-        atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering},
+        atomic::{AtomicBool, AtomicU64, Ordering},
         Mutex,
     },
     time::{Duration, Instant},
 };
 
-use crate::model::Cursor;
+use crate::{model::Cursor, sse::Farewell};
 
 /// The fd of a TCP connection, recorded by the HTTP service's `on_connect_ext` hook.
 #[derive(Clone, Copy, Debug)]
@@ -33,8 +33,9 @@ pub struct ConnectionSocket(pub RawFd);
 pub struct StreamControl {
     fd: Mutex<Option<RawFd>>,
     aborted: AtomicBool,
-    /// `retry:` (ms) the body writes after the last queued frame of a clean end; 0 = none.
-    closing_retry_ms: AtomicU32,
+    /// What the body writes after the last queued frame of a clean end ([`Farewell::encode`]);
+    /// 0 = nothing.
+    farewell: AtomicU64,
     created: Instant,
     /// When the body last handed bytes to the socket, in ms after `created`: a drain cuts off a
     /// client that stops taking what is left.
@@ -62,7 +63,7 @@ impl StreamControl {
             written_ms: AtomicU64::new(0),
             fd: Mutex::new(fd),
             aborted: AtomicBool::new(false),
-            closing_retry_ms: AtomicU32::new(0),
+            farewell: AtomicU64::new(0),
             last_sent: Mutex::new(LastSent {
                 id: [0; MAX_ID],
                 len: 0,
@@ -118,13 +119,25 @@ impl StreamControl {
         self.last_write().elapsed()
     }
 
-    pub fn set_closing_retry(&self, retry_ms: u32) {
-        self.closing_retry_ms.store(retry_ms, Ordering::Release);
+    /// What the stream says last when it ends cleanly. A drain's `retry:` does not replace a
+    /// token's end: the client must come back with another token, not merely later.
+    pub fn set_farewell(&self, farewell: Farewell) {
+        let _ = self
+            .farewell
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |current| {
+                match (Farewell::decode(current), farewell) {
+                    (
+                        Some(Farewell::TokenExpired { .. } | Farewell::Revoked { .. }),
+                        Farewell::Retry(_),
+                    ) => None,
+                    _ => Some(farewell.encode()),
+                }
+            });
     }
 
-    /// The closing `retry:`, once.
-    pub fn take_closing_retry(&self) -> Option<u32> {
-        Some(self.closing_retry_ms.swap(0, Ordering::AcqRel)).filter(|ms| *ms > 0)
+    /// The farewell, once.
+    pub fn take_farewell(&self) -> Option<Farewell> {
+        Farewell::decode(self.farewell.swap(0, Ordering::AcqRel))
     }
 
     /// Drops the connection now, discarding whatever is still buffered for it.
@@ -178,15 +191,26 @@ mod tests {
         (client, server)
     }
 
+    /// The farewell is taken once; a drain's `retry:` never replaces a token's end (the client
+    /// must come back with another token, not merely later), while a token's end replaces a
+    /// `retry:`.
     #[test]
-    fn the_closing_retry_is_taken_once_and_zero_means_none() {
+    fn the_farewell_is_taken_once_and_a_retry_never_hides_a_tokens_end() {
         let control = StreamControl::new(None);
-        assert_eq!(control.take_closing_retry(), None);
-        control.set_closing_retry(2500);
-        assert_eq!(control.take_closing_retry(), Some(2500));
-        assert_eq!(control.take_closing_retry(), None, "only once");
-        control.set_closing_retry(0);
-        assert_eq!(control.take_closing_retry(), None);
+        assert_eq!(control.take_farewell(), None);
+        control.set_farewell(Farewell::Retry(2500));
+        assert_eq!(control.take_farewell(), Some(Farewell::Retry(2500)));
+        assert_eq!(control.take_farewell(), None, "only once");
+        control.set_farewell(Farewell::Retry(1000));
+        control.set_farewell(Farewell::TokenExpired { exp: 7 });
+        control.set_farewell(Farewell::Retry(2000));
+        assert_eq!(
+            control.take_farewell(),
+            Some(Farewell::TokenExpired { exp: 7 })
+        );
+        control.set_farewell(Farewell::TokenExpired { exp: 7 });
+        control.set_farewell(Farewell::Revoked { at: 9 });
+        assert_eq!(control.take_farewell(), Some(Farewell::Revoked { at: 9 }));
     }
 
     #[test]

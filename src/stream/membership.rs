@@ -206,6 +206,7 @@ mod tests {
                 },
                 opened_ms: 0,
                 progress: Default::default(),
+                credential: Default::default(),
             },
             peer: Default::default(),
         }

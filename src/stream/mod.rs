@@ -28,7 +28,12 @@ use control::StreamControl as ConnectionControl;
 pub use membership::{Change, Membership, Register, RouterGone, Unregister};
 pub use queue::{QueueSender, QueueWatch, TrySendError, Waiting, WakeBatch};
 
-use crate::{metrics::Metrics, model::CloseReason, pod::PodState, replay::Replayer};
+use crate::{
+    metrics::Metrics,
+    model::{CloseReason, Credential},
+    pod::PodState,
+    replay::Replayer,
+};
 use connection::Connection;
 use membership::Outbox;
 use queue::WorkerWakes;
@@ -43,6 +48,9 @@ pub struct Route {
     /// older one closes (docs/fleet.md, takeover).
     pub opened_ms: u64,
     pub progress: Progress,
+    /// Its token's `iat` and `exp`: the Router ends the stream when the token does, or when a
+    /// revocation covers it.
+    pub credential: Credential,
 }
 
 /// Who opened a stream: what presence records of the session.
@@ -309,6 +317,7 @@ mod tests {
                     stall_timeout,
                     socket_fd: None,
                     peer: Peer::default(),
+                    credential: Default::default(),
                 })
                 .await
         }

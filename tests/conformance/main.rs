@@ -21,6 +21,7 @@ mod support;
 mod env;
 mod fleet;
 mod idempotency;
+mod identity;
 mod loss;
 mod order;
 mod outage;
@@ -221,4 +222,7 @@ conformance! {
     outage::an_unreachable_backend_fails_start_up,
     trim::trimming_ahead_of_the_tail_gives_expired,
     trim::trimming_during_a_replay_gives_expired,
+    identity::a_stream_ends_when_its_token_does,
+    identity::a_revocation_reaches_every_pod,
+    identity::revocations_hold_through_a_store_outage,
 }

@@ -53,7 +53,7 @@ pub fn event(
     let target = Target::from_field(headers.get(DEV_HEADER)?.as_str()).ok()?;
     let event_type = match headers.get(TYPE_HEADER) {
         None => EventType::message(),
-        Some(value) => EventType::parse(value.as_str()).ok()?,
+        Some(value) => EventType::parse_published(value.as_str()).ok()?,
     };
     let expires_ms = match headers.get(EXP_HEADER) {
         None => None,

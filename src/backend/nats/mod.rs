@@ -58,6 +58,7 @@ mod connect;
 mod fleet;
 mod layout;
 mod message;
+mod revocation;
 mod supersede;
 mod tail;
 
@@ -86,6 +87,7 @@ use futures_util::{future::BoxFuture, FutureExt, StreamExt};
 pub use connect::{NatsAccess, NatsFileError};
 pub use fleet::NatsFleet;
 pub use layout::{layout_of, Layout};
+pub use revocation::NatsRevocations;
 
 use super::{
     Appended, Backend, BackendError, BackendResult, ItemFailure, ItemOutcome, NewEvent, ReadPage,
@@ -225,6 +227,11 @@ impl NatsBackend {
     /// created or updated here, and the channel subject (docs/fleet.md).
     pub async fn fleet(&self, settings: super::fleet::FleetSettings) -> BackendResult<NatsFleet> {
         NatsFleet::new(&self.inner, settings).await
+    }
+
+    /// The revocation store: a KV bucket beside the fleet's.
+    pub async fn revocations(&self, retention: Duration) -> BackendResult<NatsRevocations> {
+        NatsRevocations::new(&self.inner, retention).await
     }
 }
 

@@ -29,6 +29,7 @@
 mod fleet;
 mod layout;
 mod reply;
+mod revocation;
 mod scripts;
 mod setup;
 mod tail;
@@ -52,6 +53,7 @@ use trimming::Trimming;
 
 pub use fleet::RedisFleet;
 pub use layout::Layout;
+pub use revocation::RedisRevocations;
 pub use setup::{ConnectionSetup, SetupError};
 
 use super::{
@@ -245,6 +247,15 @@ impl RedisBackend {
             settings,
         )
         .await
+    }
+
+    /// The revocation store on the backend's first client, like the fleet store's.
+    pub fn revocations(&self, retention: Duration) -> RedisRevocations {
+        RedisRevocations::new(
+            self.inner.clients[0].clone(),
+            &self.inner.layout.prefix,
+            retention,
+        )
     }
 }
 

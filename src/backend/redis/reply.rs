@@ -93,7 +93,7 @@ fn event(shard: u32, epoch: &Epoch, position: Position, fields: &Value) -> Optio
         target: Target::from_field(dev?).ok()?,
         event_type: match event_type {
             None => EventType::message(),
-            Some(text) => EventType::parse(text).ok()?,
+            Some(text) => EventType::parse_published(text).ok()?,
         },
         data: Arc::from(data?),
         expires_ms,
