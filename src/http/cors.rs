@@ -62,7 +62,8 @@ pub async fn preflight(request: HttpRequest, cors: web::Data<Cors>) -> HttpRespo
     response.finish()
 }
 
-/// Middleware adding `Access-Control-Allow-Origin` (and `Vary: Origin`) to every response.
+/// Middleware adding `Access-Control-Allow-Origin` (with `Vary: Origin` and
+/// `Access-Control-Expose-Headers: Retry-After`) to every response.
 pub struct CorsHeaders;
 
 impl<S, B> Transform<S, ServiceRequest> for CorsHeaders
@@ -107,6 +108,12 @@ where
                 let headers = response.headers_mut();
                 headers.insert(header::ACCESS_CONTROL_ALLOW_ORIGIN, origin);
                 headers.insert(header::VARY, HeaderValue::from_static("Origin"));
+                // A page must read a 503's Retry-After to honour it, as the client contract
+                // asks; without this, browsers hide it from scripts.
+                headers.insert(
+                    header::ACCESS_CONTROL_EXPOSE_HEADERS,
+                    HeaderValue::from_static("Retry-After"),
+                );
             }
             Ok(response)
         })
@@ -208,8 +215,8 @@ mod tests {
         }
     }
 
-    /// The middleware adds the grant (and `Vary: Origin`) to every response for an allowed
-    /// origin, and nothing otherwise.
+    /// The middleware adds the grant (with `Vary: Origin` and `Retry-After` exposed to scripts)
+    /// to every response for an allowed origin, and nothing otherwise.
     #[actix_rt::test]
     async fn the_middleware_grants_allowed_origins_only() {
         for (origins, from, grant) in [
@@ -253,6 +260,13 @@ mod tests {
                     .get(header::VARY)
                     .map(|value| value.to_str().unwrap()),
                 grant.map(|_| "Origin"),
+                "{origins:?} {from:?}"
+            );
+            assert_eq!(
+                headers
+                    .get(header::ACCESS_CONTROL_EXPOSE_HEADERS)
+                    .map(|value| value.to_str().unwrap()),
+                grant.map(|_| "Retry-After"),
                 "{origins:?} {from:?}"
             );
         }
