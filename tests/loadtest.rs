@@ -106,6 +106,54 @@ async fn unicast_and_broadcast_fanout_count_every_delivery() {
     assert!(svg.starts_with("<svg") && svg.contains("polyline"));
 }
 
+/// Against a hub with jwt auth the tool signs a token per device and one for its publishes: a
+/// storm and a fanout run through it with every stream and publish accepted; without tokens the
+/// same hub refuses the streams.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokens_open_the_streams_of_a_jwt_hub() {
+    const SECRET: &str = "loadtest-token-secret";
+    let hub = Hub::builder()
+        .env("POSTHORN_AUTH__MODE", "jwt")
+        .env("POSTHORN_AUTH__JWT_SECRET", SECRET)
+        .start()
+        .await;
+    let url = hub.base_url();
+    let report = run_ok(&[
+        "storm",
+        "--url",
+        &url,
+        "-n",
+        "30",
+        "--pause",
+        "200ms",
+        "--token-secret",
+        SECRET,
+    ])
+    .await;
+    assert_eq!(u(&report["accepted"]), 30, "{report}");
+    let report = run_ok(&[
+        "fanout",
+        "--url",
+        &url,
+        "-n",
+        "10",
+        "--mode",
+        "unicast",
+        "--rate",
+        "100",
+        "--duration",
+        "1s",
+        "--token-secret",
+        SECRET,
+    ])
+    .await;
+    assert_eq!(report["lossless"], true, "{report}");
+    assert_eq!(u(&report["deliveries"]["distinct"]), 100, "{report}");
+    let (code, _, text) = loadtest(&["storm", "--url", &url, "-n", "5", "--pause", "200ms"]).await;
+    assert_ne!(code, 0, "streams without tokens are refused: {text}");
+    assert!(text.contains("status 401"), "{text}");
+}
+
 /// `--events-per-request 1` publishes every event in a request of its own (one object, the
 /// requests pipelined): the hub answers one publish per event and every delivery still arrives
 /// once. The option is refused where it means nothing.

@@ -45,7 +45,8 @@ pub enum Command {
     Config(config::ConfigArgs),
     /// Load tester: idle, storm, fanout, slow, drain and resume scenarios against posthorn or
     /// nchan.
-    Loadtest(crate::loadtest::LoadtestArgs),
+    // Boxed: the load tester's arguments are many times the size of the other commands'.
+    Loadtest(Box<crate::loadtest::LoadtestArgs>),
 }
 
 #[derive(Debug, Error)]
@@ -103,6 +104,6 @@ pub fn run(cli: Cli) -> Result<(), CliError> {
         Command::Tail(args) => tail::run(args),
         Command::Token(args) => token::run(args),
         Command::Config(args) => config::run(args),
-        Command::Loadtest(args) => Ok(crate::loadtest::run(args)?),
+        Command::Loadtest(args) => Ok(crate::loadtest::run(*args)?),
     }
 }

@@ -114,6 +114,7 @@ impl Authenticator {
                 metrics,
             });
         }
+        super::signatures::install();
         let static_key = static_key(config)?;
         let key_set = KeySet::start(config, metrics.clone()).await?;
         Ok(Self {

@@ -10,6 +10,7 @@ pub mod jwks;
 pub mod ops;
 pub mod publish;
 pub mod server;
+pub mod signatures;
 pub mod sse;
 pub mod tls;
 

@@ -246,7 +246,7 @@ async fn until_closed(
     if let Some((endpoint, path, source)) = reconnect {
         let wait = retry_ms.unwrap_or(0).max(RETRY_FLOOR_MS);
         tokio::time::sleep(Duration::from_millis(wait)).await;
-        if wire::open_sse(&endpoint, source, &path, None, None)
+        if wire::open_sse(&endpoint, source, &path, None, None, None)
             .await
             .is_ok()
         {

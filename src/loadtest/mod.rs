@@ -21,6 +21,7 @@ mod resume;
 mod slow;
 mod storm;
 mod tally;
+mod tokens;
 mod wire;
 
 use std::{
@@ -114,6 +115,8 @@ pub struct Common {
     pub threads: usize,
     #[command(flatten)]
     pub tls: TlsArgs,
+    #[command(flatten)]
+    pub tokens: tokens::TokenArgs,
 }
 
 /// TLS to the server under test: an `https://` URL, or `--tls` with an `http://` one.
@@ -223,6 +226,8 @@ pub struct Endpoint {
     /// The `Host` header.
     pub host: String,
     pub tls: Option<TlsClient>,
+    /// The `Authorization` header of publishes (a hub with jwt auth).
+    pub authorization: Option<std::sync::Arc<str>>,
 }
 
 impl Endpoint {
@@ -270,6 +275,7 @@ impl Endpoint {
             addr,
             host: host.to_string(),
             tls: None,
+            authorization: None,
         })
     }
 }
@@ -285,6 +291,8 @@ pub struct Run {
     pub server: probe::Server,
     pub connect_concurrency: usize,
     pub plot: Option<PathBuf>,
+    /// For a hub with jwt auth: each device's token and the publisher's.
+    tokens: tokens::Tokens,
 }
 
 impl Run {
@@ -316,11 +324,13 @@ impl Run {
         } else {
             probe::Server::Unknown
         };
+        let devices: Vec<String> = (0..common.connections)
+            .map(|i| format!("{}-{i}", common.device_prefix))
+            .collect();
         Ok(Self {
             peer: common.peer,
-            devices: (0..common.connections)
-                .map(|i| format!("{}-{i}", common.device_prefix))
-                .collect(),
+            tokens: tokens::Tokens::make(&common.tokens, &devices)?,
+            devices,
             endpoint,
             tls: common.tls.clone(),
             sources,
@@ -358,10 +368,17 @@ impl Run {
                 let endpoint = self.endpoint.clone();
                 let source = self.source(index);
                 let path = self.stream_path(index);
+                let authorization = self.tokens.device(index).map(str::to_owned);
                 tokio::spawn(async move {
-                    let result =
-                        wire::open_sse(&endpoint, source, &path, cursor.as_deref(), receive_buffer)
-                            .await;
+                    let result = wire::open_sse(
+                        &endpoint,
+                        source,
+                        &path,
+                        cursor.as_deref(),
+                        authorization.as_deref(),
+                        receive_buffer,
+                    )
+                    .await;
                     Opened {
                         index,
                         result,
@@ -414,9 +431,12 @@ impl Run {
         }
         Ok(match options.publish_via {
             PublishVia::Http => publisher::Route::Http {
-                endpoint: match &options.publish_url {
-                    Some(url) => Endpoint::parse(url, allow_remote, &self.tls)?,
-                    None => self.endpoint.clone(),
+                endpoint: Endpoint {
+                    authorization: self.tokens.publish(),
+                    ..match &options.publish_url {
+                        Some(url) => Endpoint::parse(url, allow_remote, &self.tls)?,
+                        None => self.endpoint.clone(),
+                    }
                 },
                 events_per_request: options.events_per_request,
             },

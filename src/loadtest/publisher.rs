@@ -182,7 +182,13 @@ async fn open_pipelined(endpoint: &Endpoint) -> io::Result<Vec<Connection>> {
 
 /// One `POST /v1/events` of `batch`: a JSON array, or the event's own object when `batch` holds
 /// one event and `single` is set.
-fn posthorn_request(host: &str, devices: &[String], batch: &[Outgoing], single: bool) -> String {
+fn posthorn_request(
+    endpoint: &Endpoint,
+    devices: &[String],
+    batch: &[Outgoing],
+    single: bool,
+) -> String {
+    let host = &endpoint.host;
     let mut body = String::with_capacity(batch.iter().map(|e| e.data.len() + 48).sum());
     let array = !(single && batch.len() == 1);
     if array {
@@ -207,8 +213,13 @@ fn posthorn_request(host: &str, devices: &[String], batch: &[Outgoing], single: 
     if array {
         body.push(']');
     }
+    let authorization = endpoint
+        .authorization
+        .as_deref()
+        .map(|value| format!("Authorization: {value}\r\n"))
+        .unwrap_or_default();
     format!(
-        "POST /v1/events HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        "POST /v1/events HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n{authorization}Content-Length: {}\r\n\r\n{body}",
         body.len()
     )
 }
@@ -228,7 +239,7 @@ async fn posthorn_batch(
     devices: &[String],
     batch: &[Outgoing],
 ) -> io::Result<()> {
-    let request = posthorn_request(&connection.endpoint.host, devices, batch, false);
+    let request = posthorn_request(&connection.endpoint, devices, batch, false);
     let (status, answer) = wire::request(
         &mut connection.stream,
         &mut connection.buf,
@@ -247,7 +258,7 @@ async fn posthorn_pipeline<'a>(
     let mut requests = Vec::new();
     let mut count = 0;
     for batch in batches {
-        let request = posthorn_request(&connection.endpoint.host, devices, batch, true);
+        let request = posthorn_request(&connection.endpoint, devices, batch, true);
         requests.extend_from_slice(request.as_bytes());
         count += 1;
     }

@@ -316,12 +316,14 @@ struct PartialEvent {
     resync: bool,
 }
 
-/// Opens `GET path` as an event stream; succeeds once the server answered 200.
+/// Opens `GET path` as an event stream (with an `Authorization` header when one is given);
+/// succeeds once the server answered 200.
 pub async fn open_sse(
     endpoint: &Endpoint,
     source: Option<IpAddr>,
     path: &str,
     last_event_id: Option<&str>,
+    authorization: Option<&str>,
     receive_buffer: Option<u32>,
 ) -> io::Result<SseStream> {
     let mut stream = open(endpoint, source, receive_buffer).await?;
@@ -332,6 +334,11 @@ pub async fn open_sse(
     if let Some(id) = last_event_id {
         request.push_str("Last-Event-ID: ");
         request.push_str(id);
+        request.push_str("\r\n");
+    }
+    if let Some(authorization) = authorization {
+        request.push_str("Authorization: ");
+        request.push_str(authorization);
         request.push_str("\r\n");
     }
     request.push_str("\r\n");
