@@ -12,7 +12,7 @@ use serde_json::Value;
 use tokio::process::Command;
 use tokio::time::Instant;
 
-use support::{free_port, http, Hub, SseClient};
+use support::{free_port, http, Hub, SseClient, SseNext};
 
 const BIN: &str = env!("CARGO_BIN_EXE_posthorn");
 /// Failure guard for one-shot commands and start-up.
@@ -427,6 +427,68 @@ async fn publish_broadcast_and_key() {
 
     let again = publish_results(&run(broadcast("b-1")).await);
     assert_eq!(again, vec![(first[0].0.clone(), true)]);
+}
+
+/// `posthorn publish --group` reaches a member of the group and not a device outside it;
+/// `--group` with `--device` or `--broadcast` is a usage error.
+#[tokio::test]
+async fn publish_to_group() {
+    let hub = Hub::builder().start().await;
+    let member_path = "/v1/devices/pos-m/events?groups=store-17";
+    let mut member = SseClient::connect(hub.addr(), member_path, &[]).await;
+    assert_eq!(member.status(), 200);
+    let mut outsider = stream(&hub, "pos-o").await;
+    let mut cmd = posthorn();
+    cmd.args([
+        "publish",
+        "--url",
+        &hub.base_url(),
+        "--group",
+        "store-17",
+        "--type",
+        "price.update",
+        "--data",
+        "new prices",
+    ]);
+    let results = publish_results(&run(cmd).await);
+    assert_eq!(results.len(), 1);
+    assert!(!results[0].1, "a first publish is no duplicate");
+    let event = member.expect_event(WAIT).await;
+    // The answer names one copy's id (as for a broadcast); the member's shard has its own.
+    assert_eq!(
+        (event.event.as_str(), event.data.as_str()),
+        ("price.update", "new prices")
+    );
+    assert!(
+        matches!(
+            outsider.next_event(Duration::from_millis(500)).await,
+            SseNext::Timeout
+        ),
+        "a device in no group received the group event"
+    );
+    for other in [["--device", "pos-1"], ["--broadcast", "--type"]] {
+        let mut cmd = posthorn();
+        cmd.args([
+            "publish",
+            "--url",
+            &hub.base_url(),
+            "--group",
+            "g",
+            "--data",
+            "x",
+        ]);
+        cmd.args(other);
+        if other[0] == "--broadcast" {
+            cmd.arg("t");
+        }
+        let output = run(cmd).await;
+        assert_eq!(output.status.code(), Some(2), "{}", text(&output.stderr));
+        assert!(
+            text(&output.stderr).contains("cannot be used with"),
+            "{}",
+            text(&output.stderr)
+        );
+    }
 }
 
 /// A publish the hub rejects exits non-zero, prints nothing on stdout and shows the hub's

@@ -1,7 +1,8 @@
 //! `Router`: knows the connections of this pod and hands them their events.
 //!
 //! Owns: one map per shard from device to its connection's queue sender (the same queue its SSE
-//! body drains), plus the rotation that schedules heartbeats and stall checks.
+//! body drains), one index per shard from group to its connected members (a group event visits
+//! its members only), plus the rotation that schedules heartbeats and stall checks.
 //! Receives: [`Membership`] (joins and leaves of streams, batched per HTTP worker: see
 //! `stream/membership.rs`); [`RouteBatch`] from StreamTails (its
 //! bounded mailbox is the tails' backpressure); [`Snapshot`] from Shutdown and the
@@ -20,7 +21,7 @@
 //! so neither comes as a burst and no connection owns a timer.
 
 use std::{
-    collections::HashMap,
+    collections::{HashMap, HashSet},
     sync::Arc,
     time::{Duration, Instant},
 };
@@ -36,7 +37,10 @@ use super::{
 use crate::{
     backend::{fleet::RACE_WINDOW, revocation::Revoked},
     metrics::{Metrics, RouteResult},
-    model::{shard_of, unix_ms, CloseReason, DeviceId, EpochId, Position, ResyncReason, Target},
+    model::{
+        shard_of, unix_ms, CloseReason, DeviceId, EpochId, GroupName, Groups, Position,
+        ResyncReason, Target,
+    },
     sse::QueueItem,
     stream::{
         Change, Close, DrainTarget, Membership, QueueWatch, Register, Route, TrySendError,
@@ -125,6 +129,9 @@ pub struct Snapshot;
 pub struct Router {
     /// Connections per shard, so a broadcast copy visits only the devices of its shard.
     shards: Vec<HashMap<DeviceId, Route>>,
+    /// Per shard, the devices of each group with a route in `shards` (a route's groups are its
+    /// credential's), so a group event costs its connected members, not the shard.
+    members: Vec<HashMap<GroupName, HashSet<DeviceId>>>,
     /// Every connection, in slices: one slice is pinged per tick.
     rotation: Rotation<Member>,
     ticks: usize,
@@ -170,6 +177,7 @@ impl Router {
         let stall_slices_per_tick = rotation.slices_per_tick(STALL_SWEEP);
         Self {
             shards: (0..shards).map(|_| HashMap::new()).collect(),
+            members: (0..shards).map(|_| HashMap::new()).collect(),
             rotation,
             ticks: 0,
             stall_timeout,
@@ -232,6 +240,68 @@ impl Router {
         }
     }
 
+    /// Queues `item` on every connection of `shard` whose device is a member of `group`.
+    fn offer_to_group(
+        &mut self,
+        shard: u32,
+        group: &GroupName,
+        item: impl Fn() -> QueueItem,
+        wakes: &mut WakeBatch,
+    ) {
+        let Some(members) = self.members[shard as usize].get(group) else {
+            return;
+        };
+        let routes = &self.shards[shard as usize];
+        let mut delivered = 0;
+        let mut overflowed = Vec::new();
+        let mut closed = Vec::new();
+        for device in members {
+            let Some(route) = routes.get(device) else {
+                continue;
+            };
+            match route.queue.offer(item(), wakes) {
+                Ok(()) => delivered += 1,
+                Err(TrySendError::Full) => overflowed.push(device.clone()),
+                Err(TrySendError::Closed) => closed.push(device.clone()),
+            }
+        }
+        self.metrics.routed(RouteResult::Delivered, delivered);
+        self.metrics
+            .routed(RouteResult::QueueFull, overflowed.len() as u64);
+        self.metrics
+            .routed(RouteResult::Closed, closed.len() as u64);
+        for device in overflowed {
+            self.evict(shard, &device);
+        }
+        for device in closed {
+            self.remove(shard, &device);
+        }
+    }
+
+    /// Makes `device` a connected member of each of `groups`.
+    fn index_groups(&mut self, shard: u32, device: &DeviceId, groups: &Groups) {
+        let members = &mut self.members[shard as usize];
+        for group in groups.iter() {
+            members
+                .entry(group.clone())
+                .or_default()
+                .insert(device.clone());
+        }
+    }
+
+    /// Takes `device` out of each of `groups` but those of `keep` (its successor's).
+    fn unindex_groups(&mut self, shard: u32, device: &DeviceId, groups: &Groups, keep: &Groups) {
+        let members = &mut self.members[shard as usize];
+        for group in groups.iter().filter(|group| !keep.contains(group)) {
+            if let Some(devices) = members.get_mut(group) {
+                devices.remove(device);
+                if devices.is_empty() {
+                    members.remove(group);
+                }
+            }
+        }
+    }
+
     fn evict(&mut self, shard: u32, device: &DeviceId) {
         if let Some(route) = self.remove(shard, device) {
             route
@@ -244,6 +314,7 @@ impl Router {
     fn remove(&mut self, shard: u32, device: &DeviceId) -> Option<Route> {
         let route = self.shards[shard as usize].remove(device)?;
         self.forget_deadline(&route);
+        self.unindex_groups(shard, device, &route.credential.groups, &Groups::default());
         Some(route)
     }
 
@@ -436,6 +507,17 @@ impl Handler<RouteBatch> for Router {
                     },
                     &mut wakes,
                 ),
+                Target::Group(group) => self.offer_to_group(
+                    shard,
+                    &group,
+                    || QueueItem::Event {
+                        epoch,
+                        position,
+                        appended_ms,
+                        frame: frame.clone(),
+                    },
+                    &mut wakes,
+                ),
             }
         }
     }
@@ -538,7 +620,7 @@ impl Router {
         let (shard, connection_id, credential) = (
             register.shard,
             register.route.connection_id,
-            register.route.credential,
+            register.route.credential.clone(),
         );
         self.rotation.join(Member {
             shard,
@@ -551,9 +633,16 @@ impl Router {
                 .insert(shard, register.device.clone(), connection_id, exp);
         }
         let device = register.device.clone();
+        self.index_groups(shard, &device, &credential.groups);
         if let Some(previous) = self.shards[shard as usize].insert(register.device, register.route)
         {
             self.forget_deadline(&previous);
+            self.unindex_groups(
+                shard,
+                &device,
+                &previous.credential.groups,
+                &credential.groups,
+            );
             previous
                 .control
                 .close
@@ -756,6 +845,14 @@ mod tests {
             (register, conn)
         }
 
+        /// Connects `device` as a member of `groups` (comma-separated).
+        fn connect_in(&mut self, device: &str, shard: u32, limit: usize, groups: &str) -> Conn {
+            let (mut register, conn) = self.connection(device, shard, limit);
+            register.route.credential.groups = Groups::parse_list(groups).unwrap();
+            self.membership(vec![Change::Join(register)]);
+            conn
+        }
+
         fn membership(&mut self, changes: Vec<Change>) {
             Handler::<Membership>::handle(&mut self.router, Membership(changes), &mut self.context);
         }
@@ -842,6 +939,13 @@ mod tests {
         }
     }
 
+    fn group_event(shard: u32, group: &str, seq: u64) -> RoutedEvent {
+        RoutedEvent {
+            target: Target::Group(GroupName::parse(group).unwrap()),
+            ..unicast(shard, "unused", seq)
+        }
+    }
+
     fn resync(shard: u32, reason: ResyncReason) -> RoutedResync {
         RoutedResync {
             shard,
@@ -910,6 +1014,47 @@ mod tests {
         }
         assert!(other_shard.take().is_empty());
         assert_eq!(fixture.routed(RouteResult::Delivered), 3);
+    }
+
+    /// A group event reaches the connections of its shard whose device is a member, and
+    /// follows membership: a takeover with other groups moves the device between them, the
+    /// predecessor's late leave keeps the successor's, and the last leave empties the index.
+    #[actix_rt::test]
+    async fn a_group_event_reaches_the_members_of_its_shard_only() {
+        let mut fixture = Fixture::new(2);
+        let mut member = fixture.connect_in("pos-1", 0, 8, "store-17,merchant-9");
+        let mut other = fixture.connect_in("pos-2", 0, 8, "store-18");
+        let mut alone = fixture.connect("pos-3", 0, 8);
+        let mut member_elsewhere = fixture.connect_in("pos-4", 1, 8, "store-17");
+        fixture.route(vec![group_event(0, "store-17", 1)], Vec::new());
+        assert_eq!(member.take(), ["event 1"]);
+        assert!(other.take().is_empty());
+        assert!(alone.take().is_empty());
+        assert!(member_elsewhere.take().is_empty(), "another shard's copy");
+        assert_eq!(fixture.routed(RouteResult::Delivered), 1);
+
+        let mut successor = fixture.connect_in("pos-1", 0, 8, "merchant-9");
+        fixture.route(
+            vec![
+                group_event(0, "store-17", 2),
+                group_event(0, "merchant-9", 3),
+            ],
+            Vec::new(),
+        );
+        assert_eq!(successor.take(), ["event 3"]);
+        assert!(member.take().is_empty());
+        fixture.leave(&member);
+        fixture.route(vec![group_event(0, "merchant-9", 4)], Vec::new());
+        assert_eq!(successor.take(), ["event 4"]);
+
+        for conn in [&successor, &other, &member_elsewhere] {
+            fixture.leave(conn);
+        }
+        assert!(
+            fixture.router.members.iter().all(HashMap::is_empty),
+            "{:?}",
+            fixture.router.members
+        );
     }
 
     /// A full queue is a slow client: its route goes at once, and its Connection is closed.

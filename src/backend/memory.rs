@@ -20,7 +20,7 @@ use super::{
     Appended, Backend, BackendResult, Gap, ItemOutcome, NewEvent, ReadPage, ShardState,
     StoredEvent, SupersedeKey, Tail, TailBatch,
 };
-use crate::model::{shard_of, unix_ms, Cursor, Epoch, Position, ResyncReason, Target};
+use crate::model::{unix_ms, Cursor, Epoch, Position, ResyncReason, Target};
 
 #[derive(Debug, Clone)]
 pub struct MemorySettings {
@@ -165,13 +165,7 @@ impl Inner {
                 }));
                 continue;
             }
-            let shards: Range<u32> = match &event.target {
-                Target::Device(device) => {
-                    let shard = shard_of(device.as_str(), settings.shards);
-                    shard..shard + 1
-                }
-                Target::Broadcast => 0..settings.shards,
-            };
+            let shards: Range<u32> = event.target.shards(settings.shards);
             let data: Arc<str> = Arc::from(event.data);
             let mut copies = Vec::new();
             for shard in shards {
@@ -196,7 +190,8 @@ impl Inner {
                 log.trim(wall_ms, settings.retention, settings.max_len);
                 copies.push(Cursor::new(self.epoch.clone(), shard, position));
             }
-            // A device target always yields one shard and a broadcast at least one (shards >= 1).
+            // A device target always yields one shard, the others at least one (shards >= 1).
+            // Copies are kept for a broadcast only: the fleet API's not-acknowledged query.
             let cursor = copies[0].clone();
             if !matches!(event.target, Target::Broadcast) {
                 copies.clear();
@@ -514,7 +509,7 @@ mod tests {
             ..unicast("pos-1", data, None)
         };
         let device = Target::Device(DeviceId::parse("pos-1").unwrap());
-        let shard = shard_of("pos-1", 4);
+        let shard = crate::model::shard_of("pos-1", 4);
         let key = |target: Target| SupersedeKey {
             target,
             name: name.clone(),

@@ -14,12 +14,11 @@ pub struct PublishArgs {
     #[arg(long)]
     pub url: Option<String>,
     /// Device to publish to.
-    #[arg(
-        long,
-        required_unless_present = "broadcast",
-        conflicts_with = "broadcast"
-    )]
+    #[arg(long, required_unless_present_any = ["broadcast", "group"], conflicts_with_all = ["broadcast", "group"])]
     pub device: Option<String>,
+    /// Group to publish to: every device that is a member of it.
+    #[arg(long, conflicts_with = "broadcast")]
+    pub group: Option<String>,
     /// Publish to every device.
     #[arg(long)]
     pub broadcast: bool,
@@ -46,6 +45,8 @@ pub fn run(args: PublishArgs) -> Result<(), CliError> {
     let mut event = json!({ "type": args.event_type, "data": data });
     if args.broadcast {
         event["broadcast"] = json!(true);
+    } else if let Some(group) = args.group {
+        event["group"] = json!(group);
     } else if let Some(device) = args.device {
         event["device"] = json!(device);
     }

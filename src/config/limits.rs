@@ -1,4 +1,5 @@
-//! `[limits]`: the largest event, batch and request body, and the most streams a pod holds.
+//! `[limits]`: the largest event, batch and request body, the most streams a pod holds, and
+//! the most groups a device may be a member of.
 
 use serde::Serialize;
 
@@ -13,6 +14,8 @@ pub struct LimitsConfig {
     /// 0 means no limit.
     pub max_connections: usize,
     pub max_body_bytes: usize,
+    /// Groups per stream, from the token's `groups` claim or `?groups=`: beyond it, 400.
+    pub max_groups_per_device: usize,
 }
 
 impl TryFrom<RawLimits> for LimitsConfig {
@@ -24,6 +27,14 @@ impl TryFrom<RawLimits> for LimitsConfig {
             max_batch: int_in("limits.max_batch", raw.max_batch, 1, i64::MAX)?,
             max_connections: int_in("limits.max_connections", raw.max_connections, 0, i64::MAX)?,
             max_body_bytes: int_in("limits.max_body_bytes", raw.max_body_bytes, 1, i64::MAX)?,
+            // Each group a connection is in costs the Router an index entry: a bound keeps a
+            // token's claim from making one stream as costly as a thousand.
+            max_groups_per_device: int_in(
+                "limits.max_groups_per_device",
+                raw.max_groups_per_device,
+                0,
+                1024,
+            )?,
         };
         if limits.max_body_bytes < limits.max_event_bytes {
             return Err(invalid(

@@ -744,6 +744,7 @@ debounce = "0s"
                 "max_batch": 5,
                 "max_connections": 100,
                 "max_body_bytes": 2000,
+                "max_groups_per_device": 16,
             },
             "replay": { "max_concurrent": 4, "cache_entries": 0 },
             "presence": {

@@ -287,6 +287,7 @@ pub struct RawLimits {
     pub max_batch: i64,
     pub max_connections: i64,
     pub max_body_bytes: i64,
+    pub max_groups_per_device: i64,
 }
 
 impl Default for RawLimits {
@@ -296,6 +297,7 @@ impl Default for RawLimits {
             max_batch: 1_000,
             max_connections: 0,
             max_body_bytes: 16_777_216,
+            max_groups_per_device: 16,
         }
     }
 }

@@ -26,7 +26,7 @@ use crate::{
     backend::revocation::Revoked,
     config::{AuthConfig, AuthMode, ServerConfig},
     metrics::{AuthRejection, Metrics},
-    model::{Credential, DeviceId},
+    model::{Credential, DeviceId, GroupName, Groups},
 };
 
 /// What a request wants to do.
@@ -48,6 +48,9 @@ struct Claims {
     scope: Scope,
     iat: Option<u64>,
     exp: Option<u64>,
+    /// The device's groups; names are checked when a stream opens.
+    #[serde(default)]
+    groups: Vec<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -87,6 +90,20 @@ pub struct Authenticator {
     browser: BrowserGuard,
     revoked: Arc<Revoked>,
     metrics: Arc<Metrics>,
+}
+
+/// The `groups` claim's names, each checked: a token naming a group that cannot exist is a
+/// mistake of its issuer, said as such (400), not taken for a forgery.
+fn groups_of(names: &[String]) -> Result<Groups, ApiError> {
+    names
+        .iter()
+        .map(|name| {
+            GroupName::parse(name).map_err(|error| {
+                ApiError::InvalidRequest(format!("the token's groups claim: {name:?} {error}"))
+            })
+        })
+        .collect::<Result<Vec<_>, _>>()
+        .map(Groups::new)
 }
 
 /// A refusal: why (for the metric) and what the client is told.
@@ -212,9 +229,15 @@ impl Authenticator {
         let claims = jsonwebtoken::decode::<Claims>(&token, &key.key, &validation)
             .map_err(|error| refusal_of(&error))?
             .claims;
+        let groups = match access {
+            Access::Stream(_) => groups_of(&claims.groups)
+                .map_err(|error| Refusal(AuthRejection::Malformed, error))?,
+            _ => Groups::default(),
+        };
         let credential = Credential {
             issued: claims.iat,
             expires: claims.exp,
+            groups,
         };
         if let Some(sub) = claims.sub.as_deref() {
             if self.revoked.refuses(sub, &credential) {

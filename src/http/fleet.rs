@@ -290,6 +290,14 @@ pub async fn unacknowledged(
                 .collect();
             (unacked, page.next)
         }
+        Target::Group(group) => {
+            // Presence records do not say the groups of a device yet, so its members are not
+            // known here.
+            return Err(ApiError::EventNotFound(format!(
+                "{event_text} is an event of group {group}: the not-acknowledged query answers \
+                 for device events and broadcasts"
+            )));
+        }
     };
     Ok(HttpResponse::Ok().json(json!({
         "event": event_text,

@@ -15,14 +15,15 @@ use crate::{
     backend::{ItemFailure, NewEvent},
     config::parse_duration,
     metrics::PublishResult,
-    model::{unix_ms, DeviceId, EventType, Target},
+    model::{unix_ms, DeviceId, EventType, GroupName, Target},
 };
 
 /// Longest idempotency key accepted.
 const MAX_KEY_LEN: usize = 256;
-const FIELDS: [&str; 7] = [
+const FIELDS: [&str; 8] = [
     "device",
     "broadcast",
+    "group",
     "type",
     "data",
     "key",
@@ -250,24 +251,31 @@ fn parse_item(
             ))
         }
     };
-    let target = match (broadcast, take_string(&mut object, "device", index)?) {
-        (true, Some(_)) => {
-            return Err(invalid(
-                "device",
-                "must be absent when broadcast is true".into(),
-            ))
-        }
-        (true, None) => Target::Broadcast,
-        (false, None) => {
-            return Err(invalid(
-                "device",
-                "is required (or set broadcast: true)".into(),
-            ))
-        }
-        (false, Some(device)) => Target::Device(
+    let device = take_string(&mut object, "device", index)?;
+    let group = take_string(&mut object, "group", index)?;
+    let target = match (broadcast, device, group) {
+        (true, None, None) => Target::Broadcast,
+        (false, Some(device), None) => Target::Device(
             DeviceId::parse(&device)
                 .map_err(|error| invalid("device", format!("{device:?} {error}")))?,
         ),
+        (false, None, Some(group)) => Target::Group(
+            GroupName::parse(&group)
+                .map_err(|error| invalid("group", format!("{group:?} {error}")))?,
+        ),
+        (false, None, None) => {
+            return Err(invalid(
+                "device",
+                "is required (or a group, or broadcast: true)".into(),
+            ))
+        }
+        (_, _, group) => {
+            return Err(invalid(
+                if group.is_some() { "group" } else { "device" },
+                "exactly one of device, group and broadcast: true names who the event is for"
+                    .into(),
+            ))
+        }
     };
     let event_type = match take_string(&mut object, "type", index)? {
         None => EventType::message(),

@@ -18,13 +18,17 @@ use super::{
     fleet, method_not_allowed, AppState,
 };
 use crate::{
-    model::{shard_of, CloseReason, DeviceId},
+    config::AuthMode,
+    model::{shard_of, CloseReason, DeviceId, Groups},
     stream::{ConnectionSocket, OpenStream, Peer, StreamOpener},
 };
 
 #[derive(Debug, Deserialize)]
 pub struct StreamQuery {
     last_event_id: Option<String>,
+    /// The device's groups, comma-separated; read with `auth.mode = "none"` only (with tokens
+    /// the token's `groups` claim says them, and a client cannot add one).
+    groups: Option<String>,
 }
 
 /// Everything under the scope `/v1/devices`: the fleet listing, a device's presence, its
@@ -105,7 +109,22 @@ async fn stream(
         device: device_text.to_owned(),
         source,
     })?;
-    let credential = state.auth.check(request, Access::Stream(&device)).await?;
+    let mut credential = state.auth.check(request, Access::Stream(&device)).await?;
+    let query = query.into_inner();
+    if state.config.auth.mode == AuthMode::None {
+        if let Some(text) = &query.groups {
+            credential.groups = Groups::parse_list(text).map_err(|(name, error)| {
+                ApiError::InvalidRequest(format!("groups: {name:?} {error}"))
+            })?;
+        }
+    }
+    let max_groups = state.config.limits.max_groups_per_device;
+    if credential.groups.len() > max_groups {
+        return Err(ApiError::InvalidRequest(format!(
+            "the device is in {} groups, limits.max_groups_per_device is {max_groups}",
+            credential.groups.len()
+        )));
+    }
     if state.pod.is_draining() {
         return Err(ApiError::Draining);
     }
@@ -119,7 +138,7 @@ async fn stream(
         .headers()
         .get("last-event-id")
         .map(|value| String::from_utf8_lossy(value.as_bytes()).into_owned())
-        .or_else(|| query.into_inner().last_event_id)
+        .or(query.last_event_id)
         .filter(|cursor| !cursor.is_empty());
     let shard = shard_of(device.as_str(), state.backend.shards());
     // `open` returns once the registration is in the Router's mailbox, so a client that has seen

@@ -1,13 +1,17 @@
-//! What a stream's token says about time: when it was issued and when it expires. The hub ends
-//! the stream at `exp` plus `auth.leeway`, and a revocation ends the streams (and refuses the
-//! tokens) of its device issued until then.
+//! What a stream was opened with: when its token was issued and when it expires, and the
+//! device's groups. The hub ends the stream at `exp` plus `auth.leeway`, and a revocation ends
+//! the streams (and refuses the tokens) of its device issued until then.
 
-/// The `iat` and `exp` of a stream's token (Unix seconds); both `None` without a token
-/// (`auth.mode = "none"`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+use super::Groups;
+
+/// The `iat` and `exp` of a stream's token (Unix seconds), both `None` without a token
+/// (`auth.mode = "none"`), and the groups its device is a member of (the token's `groups`
+/// claim, or `?groups=` without tokens).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Credential {
     pub issued: Option<u64>,
     pub expires: Option<u64>,
+    pub groups: Groups,
 }
 
 impl Credential {
@@ -36,6 +40,7 @@ mod tests {
         let issued = |issued| Credential {
             issued,
             expires: Some(1_796_080_000),
+            groups: Groups::default(),
         };
         assert!(issued(Some(1_796_070_071)).revoked_by(at_ms));
         assert!(issued(Some(1_796_070_072)).revoked_by(at_ms));

@@ -11,7 +11,7 @@ mod shard;
 pub use close_reason::CloseReason;
 pub use credential::Credential;
 pub use cursor::{Cursor, CursorError, Epoch, EpochId, Position};
-pub use ident::{DeviceId, EventType, IdentError, Target};
+pub use ident::{Addressee, DeviceId, EventType, GroupName, Groups, IdentError, Target};
 pub use resync::ResyncReason;
 pub use shard::shard_of;
 

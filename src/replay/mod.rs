@@ -32,7 +32,7 @@ use tokio::sync::{mpsc, Semaphore};
 use crate::{
     backend::{Backend, BackendError, StoredEvent},
     metrics::Metrics,
-    model::{unix_ms, Cursor, DeviceId, Epoch, ResyncReason},
+    model::{unix_ms, Addressee, Cursor, Epoch, ResyncReason},
     report::Report,
     sse::{frame, QueueItem},
 };
@@ -84,11 +84,12 @@ impl Replayer {
         }
     }
 
-    /// Replays `device`'s events after `cursor_text` through `out`, once a slot is free.
+    /// Replays the events for `addressee` after `cursor_text` through `out`, once a slot is
+    /// free: its device's, the broadcasts and its groups' of its device's shard.
     /// `registered` is when the stream joined the Router: what is stored after it arrives live.
     pub async fn replay(
         &self,
-        device: &DeviceId,
+        addressee: Addressee<'_>,
         shard: u32,
         cursor_text: &str,
         registered: Instant,
@@ -113,7 +114,14 @@ impl Replayer {
         drop(waiting);
         let _running = GaugeGuard::new(&self.metrics.replays_in_flight);
         let result = self
-            .run(device, shard, cursor_text, registered, &window.window, out)
+            .run(
+                addressee,
+                shard,
+                cursor_text,
+                registered,
+                &window.window,
+                out,
+            )
             .await;
         self.metrics
             .replay_duration_seconds
@@ -123,7 +131,7 @@ impl Replayer {
 
     async fn run(
         &self,
-        device: &DeviceId,
+        addressee: Addressee<'_>,
         shard: u32,
         cursor_text: &str,
         registered: Instant,
@@ -180,7 +188,7 @@ impl Replayer {
             let mine: Vec<&StoredEvent> = page
                 .events
                 .iter()
-                .filter(|event| event.target.reaches(device))
+                .filter(|event| event.target.reaches(addressee))
                 .collect();
             for event in self.deliverable(shard, &epoch, mine).await {
                 let id = Cursor::new(epoch.clone(), shard, event.position).to_string();
@@ -348,7 +356,7 @@ mod tests {
             memory::MemorySettings, BackendResult, ItemOutcome, MemoryBackend, NewEvent, ReadPage,
             ShardState, SupersedeKey, Tail,
         },
-        model::{shard_of, EventType, Position, Target},
+        model::{shard_of, DeviceId, EventType, Position, Target},
     };
 
     /// The memory backend whose supersede index cannot be read.
@@ -460,7 +468,7 @@ mod tests {
         let mine = page
             .events
             .iter()
-            .filter(|event| event.target.reaches(&device))
+            .filter(|event| event.target.reaches(Addressee::device(&device)))
             .collect();
         let kept = replayer
             .deliverable(shard, &page.epoch, mine)

@@ -44,7 +44,7 @@ use super::{
 };
 use crate::{
     metrics::Metrics,
-    model::{unix_ms, CloseReason, Credential, DeviceId},
+    model::{unix_ms, Addressee, CloseReason, Credential, DeviceId, Groups},
     pod::PodState,
     replay::{ReplayError, Replayer},
     report::Report,
@@ -152,6 +152,8 @@ pub struct Connection {
     /// Unique per process; tells a takeover's successor apart from its predecessor.
     id: u64,
     device: DeviceId,
+    /// Its groups, for the replay to pick the group events of the device's shard.
+    groups: Groups,
     shard: u32,
     /// Our own sending half: keeps the stream open until this actor decides how it ends (before
     /// registration the Router holds none). `None` once closing.
@@ -216,7 +218,7 @@ impl Connection {
                     },
                     opened_ms: unix_ms(),
                     progress: Progress(control.clone()),
-                    credential: stream.credential,
+                    credential: stream.credential.clone(),
                 },
                 peer: stream.peer,
             })
@@ -236,6 +238,7 @@ impl Connection {
         context.run(Connection {
             id,
             device: stream.device,
+            groups: stream.credential.groups,
             shard: stream.shard,
             stall_timeout: stream.stall_timeout,
             queue: Some(queue),
@@ -317,9 +320,10 @@ impl Actor for Connection {
         let Some((cursor, replay)) = self.resume.take() else {
             return;
         };
-        let (replayer, device, shard, joined) = (
+        let (replayer, device, groups, shard, joined) = (
             self.replayer.clone(),
             self.device.clone(),
+            self.groups.clone(),
             self.shard,
             self.joined.clone(),
         );
@@ -329,7 +333,13 @@ impl Actor for Connection {
             joined.wait().await;
             let registered = Instant::now();
             replayer
-                .replay(&device, shard, &cursor, registered, &replay)
+                .replay(
+                    Addressee::new(&device, &groups),
+                    shard,
+                    &cursor,
+                    registered,
+                    &replay,
+                )
                 .await
         };
         let handle = ctx.spawn(replay.into_actor(self).map(

@@ -323,6 +323,24 @@ impl Env {
         }
     }
 
+    /// Appends a group event's entry for `group` on the stream of shard `on` in the documented
+    /// format, without the hub: Redis field `grp`, NATS header `Posthorn-Group`. Its type is
+    /// `ext`.
+    pub async fn produce_for_group(&mut self, on: u32, group: &str, data: &str) {
+        match &self.servers {
+            Servers::Redis(_) | Servers::Cluster(_) => {
+                self.xadd(on, &[("grp", group), ("type", "ext"), ("data", data)])
+                    .await;
+            }
+            Servers::Nats(nats) => {
+                let headers = [("Posthorn-Group", group), ("Posthorn-Type", "ext")];
+                let js = nats.jetstream().await;
+                produce(&js, &nats_subject(on), &headers, data.as_bytes()).await;
+            }
+            Servers::Memory => self.cannot(Fault::ExternalProducer),
+        }
+    }
+
     /// Appends an entry for `device` (on its shard) that sets the expiry (`exp`, Unix ms) and
     /// supersede name (`sup`) itself, as docs/stream-format.md documents: Redis fields `exp` and
     /// `sup`, NATS headers `Posthorn-Exp` and `Posthorn-Supersede`. Its type is `ext`.

@@ -340,3 +340,60 @@ pub async fn revocations_hold_through_a_store_outage(env: &mut Env) {
         "still kept"
     );
 }
+
+/// With tokens, the `groups` claim says a device's groups: `?groups=` on the stream URL cannot
+/// add one. A token naming a group outside the device-id characters, or more groups than
+/// `limits.max_groups_per_device` (16), opens nothing: 400 `invalid_request`.
+pub async fn groups_come_from_the_token(env: &mut Env) {
+    let hub = pod(env, "pod-a").await;
+    let device = "pos-g";
+    let with_groups = |groups: Value| {
+        token(json!({ "sub": device, "iat": now(), "exp": now() + 3600, "groups": groups }))
+    };
+    let authorization = bearer(&with_groups(json!(["store-17"])));
+    let mut client = SseClient::connect(
+        hub.addr(),
+        &format!("{}?groups=store-18", stream_path(device)),
+        &[("Authorization", authorization.as_str())],
+    )
+    .await;
+    assert_eq!(client.status(), 200);
+    for group in ["store-18", "store-17"] {
+        let publisher = bearer(&token(json!({ "scope": "publish", "exp": now() + 3600 })));
+        let body = json!({ "group": group, "type": "test", "data": group }).to_string();
+        let response = http::request(
+            hub.addr(),
+            "POST",
+            "/v1/events",
+            &[
+                ("Content-Type", "application/json"),
+                ("Authorization", &publisher),
+            ],
+            Some(body.as_bytes()),
+        )
+        .await;
+        assert_eq!(response.status, 201, "{}", response.text());
+    }
+    assert_eq!(next_kind(&mut client, WAIT).await.data, "store-17");
+    assert!(
+        matches!(
+            client.next_event(Duration::from_millis(500)).await,
+            SseNext::Timeout
+        ),
+        "?groups= added store-18 to a token's groups"
+    );
+    env.ran("the token's groups, not the URL's");
+
+    let seventeen: Vec<String> = (0..17).map(|n| format!("g{n}")).collect();
+    for (groups, why) in [
+        (json!(["store 17"]), "a name with a space"),
+        (json!(seventeen), "17 groups"),
+    ] {
+        assert_eq!(
+            refused_with(&hub, device, &with_groups(groups)).await,
+            (400, Some("invalid_request".into())),
+            "{why}"
+        );
+    }
+    env.ran("bad groups claims refused");
+}

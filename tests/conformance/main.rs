@@ -20,6 +20,7 @@ mod support;
 
 mod env;
 mod fleet;
+mod groups;
 mod idempotency;
 mod identity;
 mod loss;
@@ -225,4 +226,8 @@ conformance! {
     identity::a_stream_ends_when_its_token_does,
     identity::a_revocation_reaches_every_pod,
     identity::revocations_hold_through_a_store_outage,
+    identity::groups_come_from_the_token,
+    groups::a_group_event_reaches_its_members_only,
+    groups::a_member_resumes_group_events_in_order_with_its_own,
+    groups::memberships_and_group_publishes_are_checked,
 }

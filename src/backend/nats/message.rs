@@ -1,7 +1,7 @@
 //! Reading stored JetStream messages into events (docs/stream-format.md, NATS format).
 //!
-//! Messages come from producers we do not control. One without a `Posthorn-Dev` header, with an
-//! invalid device id, event type or supersede name, a `Posthorn-Exp` that is not a decimal number
+//! Messages come from producers we do not control. One without exactly one of the
+//! `Posthorn-Dev` and `Posthorn-Group` headers, with an invalid device id or group name, event type or supersede name, a `Posthorn-Exp` that is not a decimal number
 //! of Unix ms, on a subject that is no shard, or with a body that is not UTF-8 text is skipped
 //! and counted; it never stops a tail or a replay. Header names are matched
 //! exactly as written here (NATS headers are case-sensitive).
@@ -18,6 +18,8 @@ use crate::{
 
 /// Device id, or `*` for a broadcast copy.
 pub const DEV_HEADER: &str = "Posthorn-Dev";
+/// Group name, for a group event's copy (instead of [`DEV_HEADER`]).
+pub const GROUP_HEADER: &str = "Posthorn-Group";
 /// Event type; missing means `message`.
 pub const TYPE_HEADER: &str = "Posthorn-Type";
 /// Absolute expiry, decimal Unix ms; missing means never.
@@ -31,11 +33,13 @@ pub const MSG_ID_HEADER: &str = "Nats-Msg-Id";
 /// the item's target, so the same key for another device, for a broadcast, or one that looks like
 /// a derived id never collides. `d/<device>/<key>` for a device; `b/<shard>/<key>` for the copy
 /// of a broadcast on `shard` (its copies need ids of their own: JetStream deduplicates per
-/// stream). Device ids and shard numbers contain no `/`, so no two items share an id.
+/// stream), `g/<group>/<shard>/<key>` for a group event's. Device ids, group names and shard
+/// numbers contain no `/`, so no two items share an id.
 pub fn message_id(target: &Target, shard: u32, key: &str) -> String {
     match target {
         Target::Device(device) => format!("d/{device}/{key}"),
         Target::Broadcast => format!("b/{shard}/{key}"),
+        Target::Group(group) => format!("g/{group}/{shard}/{key}"),
     }
 }
 
@@ -50,7 +54,10 @@ pub fn event(
     payload: &[u8],
 ) -> Option<StoredEvent> {
     let headers = headers?;
-    let target = Target::from_field(headers.get(DEV_HEADER)?.as_str()).ok()?;
+    let target = Target::from_fields(
+        headers.get(DEV_HEADER).map(|value| value.as_str()),
+        headers.get(GROUP_HEADER).map(|value| value.as_str()),
+    )?;
     let event_type = match headers.get(TYPE_HEADER) {
         None => EventType::message(),
         Some(value) => EventType::parse_published(value.as_str()).ok()?,

@@ -95,7 +95,7 @@ use super::{
 };
 use crate::{
     config::NatsConfig,
-    model::{shard_of, Cursor, Epoch, Position, Target},
+    model::{Cursor, Epoch, Position, Target},
 };
 
 /// How long start-up waits for the connection.
@@ -423,18 +423,12 @@ impl Inner {
         // (request index, shard): a broadcast has one copy per shard, answered by shard 0's.
         let mut copies = Vec::with_capacity(events.len());
         for (index, event) in events.iter().enumerate() {
-            match &event.target {
-                Target::Device(device) => copies.push((index, shard_of(device.as_str(), shards))),
-                Target::Broadcast => copies.extend((0..shards).map(|shard| (index, shard))),
-            }
+            copies.extend(event.target.shards(shards).map(|shard| (index, shard)));
         }
         let mut items: Vec<ItemTally> = events
             .iter()
             .map(|event| ItemTally {
-                copies: match event.target {
-                    Target::Device(_) => 1,
-                    Target::Broadcast => shards as usize,
-                },
+                copies: event.target.shards(shards).len(),
                 ..ItemTally::default()
             })
             .collect();
@@ -453,7 +447,10 @@ impl Inner {
             for &(index, shard) in chunk {
                 let event = &events[index];
                 let mut headers = HeaderMap::new();
-                headers.insert(message::DEV_HEADER, event.target.as_field());
+                match &event.target {
+                    Target::Group(group) => headers.insert(message::GROUP_HEADER, group.as_str()),
+                    target => headers.insert(message::DEV_HEADER, target.as_field().as_ref()),
+                }
                 headers.insert(message::TYPE_HEADER, event.event_type.as_str());
                 if let Some(expires_ms) = event.expires_ms {
                     headers.insert(message::EXP_HEADER, expires_ms.to_string().as_str());
@@ -504,8 +501,8 @@ impl Inner {
                         item.stored += 1;
                         let cursor =
                             Cursor::new(epoch.clone(), shard, layout::position(ack.sequence));
-                        let broadcast = matches!(events[index].target, Target::Broadcast);
-                        if broadcast {
+                        let target = &events[index].target;
+                        if matches!(target, Target::Broadcast) {
                             item.copy_cursors.push(cursor.clone());
                         }
                         if let Some(name) =
@@ -520,7 +517,7 @@ impl Inner {
                                 layout::position(ack.sequence),
                             ));
                         }
-                        if !broadcast || shard == 0 {
+                        if !target.is_per_shard() || shard == 0 {
                             item.answer = Some(Appended {
                                 cursor,
                                 duplicate: ack.duplicate,

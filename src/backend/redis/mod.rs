@@ -335,7 +335,7 @@ impl GroupCall {
         answers: Option<usize>,
     ) {
         let dedupe = event.key.as_ref().map_or(0, |key| {
-            self.key(layout.dedupe_key(group, event.target.as_field(), key))
+            self.key(layout.dedupe_key(group, &event.target.as_field(), key))
         });
         let streams: Vec<(usize, u32, usize)> = shards
             .map(|shard| {
@@ -349,7 +349,7 @@ impl GroupCall {
             .collect();
         self.args.extend([
             Value::from(dedupe as i64),
-            Value::from(event.target.as_field()),
+            Value::from(event.target.as_field().as_ref()),
             Value::from(event.event_type.as_str()),
             Value::from(event.data.as_str()),
             Value::from(event.key.as_deref().unwrap_or("")),
@@ -527,7 +527,7 @@ impl Inner {
                     calls[group].push(layout, group, event, shard..shard + 1, index, Some(index));
                     spans.push(group..group + 1);
                 }
-                Target::Broadcast => {
+                Target::Broadcast | Target::Group(_) => {
                     for (group, call) in calls.iter_mut().enumerate() {
                         let answers = (group == 0).then_some(index);
                         call.push(

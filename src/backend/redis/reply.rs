@@ -1,7 +1,7 @@
 //! Reading Redis replies (RESP2, the protocol our clients speak) into entries and positions.
 //!
-//! Entries come from producers we do not control. An entry missing `dev` or `data`, with an
-//! invalid device id, event type or supersede name (`sup`), an `exp` that is not a decimal
+//! Entries come from producers we do not control. An entry without exactly one of `dev` and
+//! `grp`, without `data`, with an invalid device id or group name, event type or supersede name (`sup`), an `exp` that is not a decimal
 //! number of Unix ms, or a payload that is not UTF-8 text is skipped and counted; it never stops
 //! a tail or a replay.
 
@@ -72,12 +72,13 @@ pub fn entries(shard: u32, epoch: &Epoch, reply: &Value) -> Entries {
 }
 
 fn event(shard: u32, epoch: &Epoch, position: Position, fields: &Value) -> Option<StoredEvent> {
-    let (mut dev, mut event_type, mut data) = (None, None, None);
+    let (mut dev, mut group, mut event_type, mut data) = (None, None, None, None);
     let (mut expires_ms, mut supersede) = (None, None);
     for pair in items(fields).chunks(2) {
         let [name, value] = pair else { continue };
         match text(name) {
             Some("dev") => dev = Some(text(value)?),
+            Some("grp") => group = Some(text(value)?),
             Some("type") => event_type = Some(text(value)?),
             Some("data") => data = Some(text(value)?),
             Some("exp") => expires_ms = Some(parse_exp(text(value)?)?),
@@ -90,7 +91,7 @@ fn event(shard: u32, epoch: &Epoch, position: Position, fields: &Value) -> Optio
         epoch: epoch.clone(),
         position,
         appended_ms: position.ms,
-        target: Target::from_field(dev?).ok()?,
+        target: Target::from_fields(dev, group)?,
         event_type: match event_type {
             None => EventType::message(),
             Some(text) => EventType::parse_published(text).ok()?,
@@ -136,11 +137,18 @@ mod tests {
                     Value::Bytes(vec![0xff, 0xfe].into()),
                 ]),
             ]),
+            entry("1-7", &["grp", "store-17", "data", "c"]),
+            entry("1-8", &["dev", "pos-1", "grp", "store-17", "data", "both"]),
+            entry("1-9", &["grp", "store 17", "data", "bad group"]),
         ]);
         let parsed = entries(3, &Epoch::new("e").unwrap(), &reply);
-        assert_eq!(parsed.events.len(), 2);
-        assert_eq!(parsed.skipped, 5);
-        assert_eq!(parsed.last, Some(Position::new(1, 6)));
+        assert_eq!(parsed.events.len(), 3);
+        assert_eq!(parsed.skipped, 7);
+        assert_eq!(parsed.last, Some(Position::new(1, 9)));
+        assert_eq!(
+            parsed.events[2].target,
+            Target::Group(crate::model::GroupName::parse("store-17").unwrap())
+        );
         assert_eq!(parsed.events[0].event_type.as_str(), "message");
         assert_eq!(parsed.events[1].target, Target::Broadcast);
         assert_eq!(&*parsed.events[1].data, "b");

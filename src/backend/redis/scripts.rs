@@ -68,8 +68,8 @@ end
 
 /// Appends the items of one group. KEYS: the streams, supersede indexes and dedupe keys the items
 /// refer to (one slot). ARGV: fresh epoch prefix, retention (ms), MAXLEN cap, dedupe window (ms),
-/// item count, then per item: dedupe key index (0 = none), dev, type, data, key, exp, sup ('' =
-/// none), stream count, then per stream its key index, shard and supersede index key index
+/// item count, then per item: dedupe key index (0 = none), target (a device, `*`, or `@<group>`,
+/// written as `grp <group>`), type, data, key, exp, sup ('' = none), stream count, then per stream its key index, shard and supersede index key index
 /// (0 = none). An item with `sup` sets `<dev>/<sup>` of its shard's index to `<epoch> <id>`
 /// with the entry, atomically. Returns per item the cursor of its first stream, whether it was
 /// a duplicate, and for a broadcast the cursor of every copy in this group (else empty):
@@ -91,7 +91,10 @@ for _ = 1, tonumber(ARGV[5]) do
   local streams = tonumber(ARGV[at + 7])
   local first = at + 8
   at = first + 3 * streams
+  -- A group's target is '@<name>', stored as its own field: a pod that knows no groups
+  -- skips the entry instead of taking it for a device's.
   local fields = {'dev', dev, 'type', kind, 'data', data}
+  if string.sub(dev, 1, 1) == '@' then fields = {'grp', string.sub(dev, 2), 'type', kind, 'data', data} end
   if key ~= '' then table.insert(fields, 'key'); table.insert(fields, key) end
   if exp ~= '' then table.insert(fields, 'exp'); table.insert(fields, exp) end
   if sup ~= '' then table.insert(fields, 'sup'); table.insert(fields, sup) end

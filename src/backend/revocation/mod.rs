@@ -168,6 +168,7 @@ mod tests {
         let token = |issued| Credential {
             issued: Some(issued),
             expires: Some(100),
+            ..Credential::default()
         };
         assert!(revoked.refuses("pos-1", &token(9)));
         assert!(!revoked.refuses("pos-1", &token(10)));
