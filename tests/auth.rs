@@ -1,4 +1,4 @@
-//! JWT authentication (docs/http-api.md, issue 5): 401 versus 403 exactly as documented, scopes as a
+//! JWT authentication (docs/http-api.md): 401 versus 403 exactly as documented, scopes as a
 //! string or an array, the token in the header or the query, HS256 and ES256 keys, and the
 //! `posthorn token` command.
 

@@ -155,7 +155,7 @@ async fn invalid_duration_exits_64() {
     assert_config_error(&[], &["--config", path], "drain.retry_max").await;
 }
 
-/// Bug pinned (issue 19.11): a huge `drain.retry_max` was accepted and cast to a `u32` of
+/// Bug pinned: a huge `drain.retry_max` was accepted and cast to a `u32` of
 /// milliseconds (a value past 49 days wrapped, and a wrapped range below `retry_min` panicked in
 /// the drain); `redis.block = 0s` was accepted although Redis reads it as "block forever", past
 /// every client timeout. Both now stop start-up naming the key.

@@ -1,4 +1,4 @@
-//! The reference client `posthorn tail` (docs/client-contract.md, issue 6) against real hubs: restart of the hub
+//! The reference client `posthorn tail` (docs/client-contract.md) against real hubs: restart of the hub
 //! with Redis keeping the data, a drain's `retry:`, resync, refusal, backoff and dead-connection
 //! detection.
 
@@ -212,7 +212,7 @@ async fn drain_retry_is_honoured() {
     );
 }
 
-/// Bug pinned (issue 19.9): after a healthy connection the tail waited exactly `retry`, so every
+/// Bug pinned: after a healthy connection the tail waited exactly `retry`, so every
 /// terminal of a pod that crashed came back in the same instant. Now it waits `retry` plus a
 /// random 0-100 % of it: four tails told the same `retry: 1000` spread over [1 s, 2 s].
 #[tokio::test]

@@ -205,7 +205,7 @@ async fn retry_is_announced_before_the_close() {
     );
 }
 
-/// Bug pinned (issue 19.4): a connection closed by the drain whose client stopped reading left the
+/// Bug pinned: a connection closed by the drain whose client stopped reading left the
 /// Router, so no stall check saw it any more, and its full socket held the drain until
 /// `drain.grace`, which then exited 1. Now such a connection is cut off in time and the drain
 /// ends within its grace with exit code 0.
@@ -270,7 +270,7 @@ async fn events_until_close(stream: &mut tokio::net::TcpStream) -> Vec<support::
     support::sse::SseDecoder::new().feed(&body)
 }
 
-/// Bug pinned (issue 19.3): a drain that reached a connection while it replayed a backlog dropped
+/// Bug pinned: a drain that reached a connection while it replayed a backlog dropped
 /// the replay, and the body took "replay channel closed" for "replay done" and wrote the queued
 /// live events: the client's cursor jumped past every event it had not been sent yet. Now the
 /// client receives a gapless prefix of the backlog, and a live event only after all of it.

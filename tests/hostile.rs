@@ -1,4 +1,4 @@
-//! Hostile input at the HTTP edge (issue 5): oversized headers, requests that never finish their
+//! Hostile input at the HTTP edge: oversized headers, requests that never finish their
 //! headers, and entries external producers wrote with invalid UTF-8. The hub refuses or skips
 //! them and keeps serving everyone else.
 

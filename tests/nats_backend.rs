@@ -1,4 +1,4 @@
-//! Black-box tests of what only `backend.kind = "nats"` has (issue 8), against a real
+//! Black-box tests of what only `backend.kind = "nats"` has, against a real
 //! `nats-server -js` that each test starts on a free port with its own store: core NATS
 //! publishes, subjects without a shard, a hole a purge leaves inside the one stream, a
 //! conflicting stream, and the subject `shard-key` prints. What every backend must do (order,

@@ -1,4 +1,4 @@
-//! The hub against a `nats-server -js` that wants TLS or credentials (issue 21): TLS with a
+//! The hub against a `nats-server -js` that wants TLS or credentials: TLS with a
 //! private CA, mutual TLS, a server certificate the hub must refuse, each kind of credentials
 //! (user and password file, token file, nkey seed file, creds file in operator mode), and the
 //! least-privilege permissions of docs/security.md ("Least privilege: NATS") for the hub and for

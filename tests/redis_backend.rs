@@ -1,4 +1,4 @@
-//! Black-box tests of what only `backend.kind = "redis"` has (issue 3), against real
+//! Black-box tests of what only `backend.kind = "redis"` has, against real
 //! redis-server processes: several standalone instances, hash-tag groups on a 3-master cluster,
 //! a tail's blocked XREAD, the trim lease and periodic trim, restarts from older RDB snapshots,
 //! the epoch marker, libfaketime's clock, a batch half appended across instances. What every
@@ -420,7 +420,7 @@ async fn entries_trimmed_during_an_outage_give_resync() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Data loss the epoch key does not see (issue 19). Every open stream of an affected shard gets
+// Data loss the epoch key does not see. Every open stream of an affected shard gets
 // one `resync` `data_lost` within 10 s of the loss, then live events; a cursor from before the
 // loss gets `data_lost` on resume.
 // ---------------------------------------------------------------------------------------------
@@ -459,7 +459,7 @@ async fn expect_resync(client: &mut SseClient) -> SseEvent {
     }
 }
 
-/// Bug pinned (issue 19.2): a Redis that restarts from an older RDB snapshot keeps the epoch key
+/// Bug pinned: a Redis that restarts from an older RDB snapshot keeps the epoch key
 /// it had then, and the streams went back in time: cursors from after the snapshot replayed
 /// whatever came next, cursors from before it replayed past the lost events, and the tail never
 /// noticed that a stream's last id went backwards. Now all of them get `data_lost`.
@@ -511,7 +511,7 @@ fn libfaketime() -> String {
     )
 }
 
-/// Bug pinned (issue 19.10): retention was applied with the pod's clock against Redis ids, which
+/// Bug pinned: retention was applied with the pod's clock against Redis ids, which
 /// carry Redis' clock: a pod whose clock ran ahead by more than the retention trimmed what it had
 /// just acknowledged. A pod an hour ahead now keeps every event of a 15-minute window, for live
 /// clients and for resumes alike.
@@ -557,7 +557,7 @@ fn device_in_group(group: u32) -> String {
         .expect("some device lands in each half")
 }
 
-/// Bug pinned (issue 19.5): a batch that failed after part of it was appended (one of two
+/// Bug pinned: a batch that failed after part of it was appended (one of two
 /// `redis.urls` down) answered a bare 503, so the producer's retry appended the first part again
 /// (items without keys) and a broadcast could stay on half the shards. Now the answer is 207 and
 /// names per item the id of what was appended and an error for what was not; retrying the batch

@@ -467,8 +467,9 @@ async fn producer_checks(client: &mut RespClient, users: &Users, stream: &str, o
     }
 }
 
-/// Issue item 4 and `redis.password_file`, on one instance: the hub runs as the documented
-/// `posthorn` user (password from a file, with its newline) with `default` off, at debug level.
+/// The least-privilege Redis user and `redis.password_file`, on one instance: the hub runs as
+/// the documented `posthorn` user (password from a file, with its newline) with `default` off, at
+/// debug level.
 /// Publishing, the live tail, resume, trimming by length and by age (the trim lease), and a new
 /// life after the stream is deleted all work, and Redis logged no denied command of that user.
 /// The password is in no log line and not in `/admin/status`.

@@ -1,4 +1,4 @@
-//! Resumes under load (issue 19.8): replays run in a bounded number of slots, the others wait
+//! Resumes under load: replays run in a bounded number of slots, the others wait
 //! with their stream open and start in order of arrival; the resumes of one shard share their
 //! backend reads.
 

@@ -107,7 +107,7 @@ mod tests {
         );
     }
 
-    /// Bug pinned (issue 19.11): a retry past an hour wrapped as a u32 of milliseconds.
+    /// Bug pinned: a retry past an hour wrapped as a u32 of milliseconds.
     #[test]
     fn retry_at_most_an_hour() {
         let error = drain(RawDrain {

@@ -414,7 +414,7 @@ mod tests {
         }
     }
 
-    /// Bug pinned (issue 19.11): `block = 0s` means "block forever" to Redis, past every client
+    /// Bug pinned: `block = 0s` means "block forever" to Redis, past every client
     /// timeout; it and a block over ten minutes are refused.
     #[test]
     fn block_is_bounded() {

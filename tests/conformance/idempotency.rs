@@ -34,7 +34,7 @@ async fn publish_one_until_accepted(hub: &Hub, item: &Value) -> Value {
     }
 }
 
-/// Bug pinned (issue 19.6): an idempotency key collided across targets. On memory a key was
+/// Bug pinned: an idempotency key collided across targets. On memory a key was
 /// global, so the same key for another device or for a broadcast was answered `duplicate` and
 /// never appended; on Redis keys were remembered per node group (a unicast after a broadcast
 /// with the same key was a duplicate in group 0 only), and a duplicate's id was rebuilt with

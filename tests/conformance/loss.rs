@@ -118,13 +118,13 @@ pub async fn a_loss_of_all_data_gives_data_lost(env: &mut Env) {
     assert_eq!(back.expect_event(WAIT).await.data, "after");
 }
 
-/// Bug pinned (issue 19.1): a stream opened *with* a cursor dropped the tail's `resync` (its id
+/// Bug pinned: a stream opened *with* a cursor dropped the tail's `resync` (its id
 /// is the new head, below the cursor) and every later event below the old cursor, so a
 /// FLUSHALL went unnoticed by resumed streams; on NATS, where a new stream starts again at
 /// sequence 1, such a stream received nothing for the rest of its life while heartbeats kept it
 /// looking healthy (`a_resumed_stream_hears_of_a_recreated_stream`). Now the resumed stream gets
 /// `data_lost` within 10 s, then the new life's events, and that resync is counted like any
-/// other (issue 19.7). Memory loses its data only with the hub's process: the resumed stream is
+/// other. Memory loses its data only with the hub's process: the resumed stream is
 /// cut, and the client that comes back with its cursor gets `data_lost`.
 pub async fn a_resumed_stream_hears_of_a_flushall(env: &mut Env) {
     let mut hub = env.start_hub().await;
@@ -151,11 +151,11 @@ pub async fn a_resumed_stream_hears_of_a_flushall(env: &mut Env) {
     assert_eq!(
         scrape.value("sse_resyncs_total", &[("reason", "data_lost")]),
         Some(1.0),
-        "issue 19.7: a resync found by a tail is counted like any other"
+        "a resync found by a tail is counted like any other"
     );
 }
 
-/// Bug pinned (issue 19.2): a stream deleted and re-created by the next append (an external
+/// Bug pinned: a stream deleted and re-created by the next append (an external
 /// producer's XADD) kept the group's epoch key, so a cursor from before replayed what was left
 /// and skipped the lost events, and connected clients were never told. Now both get
 /// `data_lost`, the new life's events follow from its first one, and the other shards' streams

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Resume storm through Redis, before and after bounded shared replays (issue 19.8), alternating
+# Resume storm through Redis, before and after bounded shared replays, alternating
 # binaries, a fresh Redis and hub per run:
 #   BEFORE=/tmp/posthorn-before AFTER=/tmp/posthorn-after ROUNDS=2 docs/bench/2026-12-02-resume/run.sh
 # 10,000 devices take a cursor, are away 60 s while 5,000 unicast events/s go into Redis (XADD, as
