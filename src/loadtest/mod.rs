@@ -101,6 +101,10 @@ pub struct Common {
     /// Device names are PREFIX-0 .. PREFIX-(N-1).
     #[arg(long, default_value = "lt")]
     pub device_prefix: String,
+    /// posthorn with `auth.mode = "none"`: every stream joins this many groups (`?groups=`),
+    /// device i the groups `g1-(i/10)`, `g2-(i/100)`, ... (groups of 10, of 100, ...).
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=8))]
+    pub groups: u32,
     /// Hard bound on the whole run.
     #[arg(long, default_value = "300s", value_parser = parse_duration)]
     pub time_limit: Duration,
@@ -293,6 +297,8 @@ pub struct Run {
     pub plot: Option<PathBuf>,
     /// For a hub with jwt auth: each device's token and the publisher's.
     tokens: tokens::Tokens,
+    /// The groups each stream asks for (`Common::groups`).
+    groups: u32,
 }
 
 impl Run {
@@ -301,6 +307,9 @@ impl Run {
             return Err(LoadtestError::Usage(format!(
                 "--connections must be 1..={MAX_CONNECTIONS}"
             )));
+        }
+        if common.groups > 0 && common.peer != Peer::Posthorn {
+            return Err(LoadtestError::Usage("--groups is posthorn's".into()));
         }
         let endpoint = Endpoint::parse(&common.url, common.allow_remote, &common.tls)?;
         // Source addresses other than 127.0.0.1 only reach a loopback target.
@@ -337,6 +346,7 @@ impl Run {
             server,
             connect_concurrency: common.connect_concurrency.max(1),
             plot: common.plot.clone(),
+            groups: common.groups,
         })
     }
 
@@ -346,6 +356,16 @@ impl Run {
 
     fn stream_path(&self, device: usize) -> String {
         match self.peer {
+            Peer::Posthorn if self.groups > 0 => {
+                let groups: Vec<String> = (1..=self.groups)
+                    .map(|level| format!("g{level}-{}", device / 10usize.pow(level)))
+                    .collect();
+                format!(
+                    "/v1/devices/{}/events?groups={}",
+                    self.devices[device],
+                    groups.join(",")
+                )
+            }
             Peer::Posthorn => format!("/v1/devices/{}/events", self.devices[device]),
             Peer::Nchan => format!("/sub/{}", self.devices[device]),
         }
@@ -639,5 +659,35 @@ mod tests {
         )
         .unwrap();
         assert_eq!(forced.tls.unwrap().name.to_str(), "localhost");
+    }
+
+    fn run(args: &[&str]) -> Result<Run, LoadtestError> {
+        #[derive(clap::Parser)]
+        struct Options {
+            #[command(flatten)]
+            common: Common,
+        }
+        let options = <Options as clap::Parser>::try_parse_from(
+            std::iter::once("loadtest").chain(args.iter().copied()),
+        )
+        .unwrap();
+        Run::new(&options.common)
+    }
+
+    /// `--groups K` puts device i in groups of 10, of 100, ...; posthorn's only.
+    #[test]
+    fn streams_join_their_groups() {
+        let path = |args: &[&str], device| run(args).unwrap().stream_path(device);
+        assert_eq!(path(&["-n", "300"], 251), "/v1/devices/lt-251/events");
+        assert_eq!(
+            path(&["-n", "300", "--groups", "2"], 251),
+            "/v1/devices/lt-251/events?groups=g1-25,g2-2"
+        );
+        assert_eq!(
+            path(&["-n", "300", "--groups", "1"], 9),
+            "/v1/devices/lt-9/events?groups=g1-0"
+        );
+        let refused = run(&["--peer", "nchan", "--groups", "1"]).err().unwrap();
+        assert!(refused.to_string().contains("--groups"), "{refused}");
     }
 }
