@@ -15,7 +15,7 @@ use base64::Engine;
 use serde_json::{json, Value};
 
 use support::chromium::{Cdp, Chromium};
-use support::{http, live_stream, metrics, publish_to, Hub};
+use support::{http, live_stream, metrics, publish_to, stream_path, Hub, SseClient};
 
 /// The page polls every 2 s and needs two polls for rates; Chromium on busy cores is slow.
 const PAGE_WAIT: Duration = Duration::from_secs(20);
@@ -155,7 +155,16 @@ async fn console_shows_the_metrics_and_drains() {
         .start()
         .await;
     let mut streams = Vec::new();
-    for i in 0..STREAMS {
+    // pos-0 is a member of two groups (the lookup shows them).
+    let in_groups = SseClient::connect(
+        hub.addr(),
+        &format!("{}?groups=store-17,merchant-9", stream_path("pos-0")),
+        &[],
+    )
+    .await;
+    assert_eq!(in_groups.status(), 200);
+    streams.push(in_groups);
+    for i in 1..STREAMS {
         streams.push(live_stream(&hub, &format!("pos-{i}")).await);
     }
     for (i, stream) in streams.iter_mut().enumerate() {
@@ -284,6 +293,10 @@ async fn console_shows_the_metrics_and_drains() {
     )
     .await;
     assert_eq!(page.evaluate(&text("lookup-pod")).await, record["pod"]);
+    assert_eq!(
+        page.evaluate(&text("lookup-groups")).await,
+        json!("merchant-9, store-17")
+    );
     assert_eq!(
         page.evaluate(&text("lookup-seen")).await,
         record["connected_at"]

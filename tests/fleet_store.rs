@@ -19,14 +19,14 @@ use futures_util::{stream::BoxStream, StreamExt};
 use posthorn::{
     backend::{
         fleet::{
-            memory::MemoryFleet, AckOutcome, DeviceRecord, FleetMessage, FleetSettings, FleetStore,
-            Heard, OnlineFilter, PresenceWrite, Session, SessionRef,
+            memory::MemoryFleet, AckOutcome, DeviceFilter, DeviceRecord, FleetMessage,
+            FleetSettings, FleetStore, Heard, OnlineFilter, PresenceWrite, Session, SessionRef,
         },
         nats::{NatsAccess, NatsBackend, NatsSettings},
         redis::{ConnectionSetup, RedisBackend, RedisSettings},
     },
     config::{Config, RedactedUrl},
-    model::{unix_ms, Cursor, DeviceId, Epoch, Position},
+    model::{unix_ms, Cursor, DeviceId, Epoch, GroupName, Groups, Position},
 };
 use support::{nats::NatsServer, nats_cluster::NatsCluster, RedisCluster, RedisServer};
 
@@ -237,6 +237,21 @@ fn session(name: &str, instance: &str, id: u64) -> Session {
         connected_ms: unix_ms(),
         remote: "192.0.2.7".into(),
         user_agent: "test-terminal/1".into(),
+        groups: Groups::default(),
+    }
+}
+
+fn filter(online: OnlineFilter) -> DeviceFilter {
+    DeviceFilter {
+        online,
+        group: None,
+    }
+}
+
+fn in_group(online: OnlineFilter, group: &str) -> DeviceFilter {
+    DeviceFilter {
+        online,
+        group: Some(GroupName::parse(group).expect("group name")),
     }
 }
 
@@ -614,7 +629,7 @@ pub async fn an_instance_that_stops_beating_goes_offline_after_ttl(env: &mut Env
         "last_seen = the last beat",
     );
     let page = reader
-        .list(OnlineFilter::Offline, 10, None)
+        .list(&filter(OnlineFilter::Offline), 10, None)
         .await
         .expect("list");
     assert_eq!(page.devices.len(), 1, "{page:?}");
@@ -660,7 +675,7 @@ pub async fn a_stopping_beat_is_offline_at_once(env: &mut Env) {
 pub async fn an_unknown_device_is_none(env: &mut Env) {
     let pod = env.pod(SETTINGS).await;
     assert_eq!(pod.device(&device("nobody")).await.expect("read"), None);
-    let page = pod.list(OnlineFilter::Any, 10, None).await.expect("list");
+    let page = pod.list(&DeviceFilter::ANY, 10, None).await.expect("list");
     assert!(page.devices.is_empty() && page.next.is_none(), "{page:?}");
     assert_eq!(
         pod.broadcast_copies(&cursor("e1", 0, 1, 0))
@@ -698,7 +713,7 @@ pub async fn retention_forgets(env: &mut Env) {
         // Memory forgets on access; others expire on their own (NATS checks max age in rounds).
         let record = pod.device(&s.device).await.expect("read");
         let broadcast = pod.broadcast_copies(&copies[0]).await.expect("read");
-        let listed = pod.list(OnlineFilter::Any, 10, None).await.expect("list");
+        let listed = pod.list(&DeviceFilter::ANY, 10, None).await.expect("list");
         if record.is_none() && broadcast.is_none() && listed.devices.is_empty() {
             break;
         }
@@ -710,13 +725,25 @@ pub async fn retention_forgets(env: &mut Env) {
     }
 }
 
-/// 1,000 devices in pages of 100, in device order, with and without filters: none skipped or
-/// repeated, `next` continues after short pages.
+/// 1,000 devices in pages of 100, in device order, with and without filters (online or not,
+/// in a group or not): none skipped or repeated, `next` continues after short pages. A record
+/// says the groups of its latest session.
 pub async fn listing_pages_through_every_device(env: &mut Env) {
     let pod = env.pod(SETTINGS).await;
     pod.beat("a", "inst-a", false).await.expect("beat");
+    // Device n is in store-(n % 3), and the multiples of 5 in merchant-1 too.
+    let groups_of = |n: u64| {
+        let mut names = format!("store-{}", n % 3);
+        if n.is_multiple_of(5) {
+            names.push_str(",merchant-1");
+        }
+        Groups::parse_list(&names).expect("groups")
+    };
     let sessions: Vec<Session> = (0..1000)
-        .map(|n| session(&format!("dev-{n:04}"), "inst-a", n))
+        .map(|n| Session {
+            groups: groups_of(n),
+            ..session(&format!("dev-{n:04}"), "inst-a", n)
+        })
         .collect();
     for batch in sessions.chunks(500) {
         pod.write(batch.iter().cloned().map(PresenceWrite::Online).collect())
@@ -732,17 +759,33 @@ pub async fn listing_pages_through_every_device(env: &mut Env) {
     let all: Vec<String> = sessions.iter().map(|s| s.device.to_string()).collect();
     let even: Vec<String> = all.iter().step_by(2).cloned().collect();
     let odd: Vec<String> = all.iter().skip(1).step_by(2).cloned().collect();
+    let of = |keep: &dyn Fn(u64) -> bool| -> Vec<String> {
+        (0..1000u64)
+            .filter(|n| keep(*n))
+            .map(|n| format!("dev-{n:04}"))
+            .collect()
+    };
+    let store_0 = of(&|n| n % 3 == 0);
+    let store_1_online = of(&|n| n % 3 == 1 && n % 2 == 0);
+    let merchant_offline = of(&|n| n % 5 == 0 && n % 2 == 1);
     for (filter, expected) in [
-        (OnlineFilter::Any, &all),
-        (OnlineFilter::Online, &even),
-        (OnlineFilter::Offline, &odd),
+        (filter(OnlineFilter::Any), &all),
+        (filter(OnlineFilter::Online), &even),
+        (filter(OnlineFilter::Offline), &odd),
+        (in_group(OnlineFilter::Any, "store-0"), &store_0),
+        (in_group(OnlineFilter::Online, "store-1"), &store_1_online),
+        (
+            in_group(OnlineFilter::Offline, "merchant-1"),
+            &merchant_offline,
+        ),
+        (in_group(OnlineFilter::Any, "store-3"), &Vec::new()),
     ] {
         let mut seen = Vec::new();
         let mut cursor: Option<String> = None;
         let mut pages = 0;
         loop {
             let page = pod
-                .list(filter, 100, cursor.as_deref())
+                .list(&filter, 100, cursor.as_deref())
                 .await
                 .expect("list");
             pages += 1;
@@ -752,7 +795,9 @@ pub async fn listing_pages_through_every_device(env: &mut Env) {
                 page.devices.len()
             );
             for record in &page.devices {
-                assert!(filter.admits(record.online), "{filter:?}: {record:?}");
+                assert!(filter.admits(record), "{filter:?}: {record:?}");
+                let n: u64 = record.device.as_str()[4..].parse().expect("number");
+                assert_eq!(record.groups, groups_of(n), "{record:?}");
                 seen.push(record.device.to_string());
             }
             match page.next {
@@ -765,6 +810,29 @@ pub async fn listing_pages_through_every_device(env: &mut Env) {
         let unique: BTreeSet<&String> = seen.iter().collect();
         assert_eq!(unique.len(), seen.len());
     }
+    // A later session in other groups moves the device between them.
+    let moved = Session {
+        groups: Groups::parse_list("store-9").expect("groups"),
+        ..session("dev-0000", "inst-a", 5000)
+    };
+    pod.write(vec![PresenceWrite::Online(moved)])
+        .await
+        .expect("write");
+    let listed = |group: &'static str| {
+        let pod = &pod;
+        async move {
+            let page = pod
+                .list(&in_group(OnlineFilter::Any, group), 10, None)
+                .await
+                .expect("list");
+            page.devices
+                .iter()
+                .map(|record| record.device.to_string())
+                .collect::<Vec<_>>()
+        }
+    };
+    assert_eq!(listed("store-9").await, ["dev-0000"]);
+    assert!(!listed("merchant-1").await.contains(&"dev-0000".to_owned()));
 }
 
 /// Acks move forward only: same epoch and shard older or equal is Stale, newer is Moved; a
@@ -851,7 +919,7 @@ pub async fn an_ack_creates_the_record(env: &mut Env) {
     let record = pod.device(&d).await.expect("read").expect("created");
     assert!(!record.online, "{record:?}");
     assert_eq!((record.acked, record.acked_ms), (Some(ack), Some(at)));
-    let page = pod.list(OnlineFilter::Any, 10, None).await.expect("list");
+    let page = pod.list(&DeviceFilter::ANY, 10, None).await.expect("list");
     assert_eq!(
         page.devices.len(),
         1,

@@ -43,8 +43,8 @@ use super::{rotation::Rotation, router::CloseOlder};
 use crate::{
     backend::{
         fleet::{
-            replaces, DeviceRecord, FleetMessage, FleetStore, Heard, OnlineFilter, PresenceWrite,
-            Session, SessionRef, RACE_WINDOW,
+            replaces, DeviceFilter, DeviceRecord, FleetMessage, FleetStore, Heard, OnlineFilter,
+            PresenceWrite, Session, SessionRef, RACE_WINDOW,
         },
         BackendError,
     },
@@ -275,6 +275,7 @@ impl Fleet {
                     connected_ms: opened_ms,
                     remote: peer.remote,
                     user_agent: peer.user_agent,
+                    groups: peer.groups,
                 };
                 // Another pod announced a stream opened at nearly the same time, before ours
                 // joined: the race is decided by rank, as that pod decides it.
@@ -828,7 +829,14 @@ impl Fleet {
             let mut cursor: Option<String> = None;
             loop {
                 let page = store
-                    .list(OnlineFilter::Online, 1000, cursor.as_deref())
+                    .list(
+                        &DeviceFilter {
+                            online: OnlineFilter::Online,
+                            group: None,
+                        },
+                        1000,
+                        cursor.as_deref(),
+                    )
                     .await?;
                 online.extend(page.devices);
                 match page.next {
@@ -1082,6 +1090,7 @@ mod tests {
         fleet::{memory::MemoryFleet, AckOutcome, DevicePage, FleetSettings},
         BackendResult,
     };
+    use crate::model::Groups;
     use futures_util::{future::BoxFuture, stream::BoxStream, FutureExt, StreamExt};
 
     struct NoRouter;
@@ -1234,6 +1243,7 @@ mod tests {
             connected_ms: unix_ms() + 10_000,
             remote: String::new(),
             user_agent: String::new(),
+            groups: Groups::default(),
         };
         fleet.heard(FleetMessage::Connected(elsewhere));
         fleet.pending_writes.clear();
@@ -1398,7 +1408,7 @@ mod tests {
         }
         fn list(
             &self,
-            filter: OnlineFilter,
+            filter: &DeviceFilter,
             limit: usize,
             cursor: Option<&str>,
         ) -> BoxFuture<'_, BackendResult<DevicePage>> {
@@ -1598,6 +1608,7 @@ mod tests {
             connected_ms: unix_ms(),
             remote: String::new(),
             user_agent: String::new(),
+            groups: Groups::default(),
         };
         store
             .inner
@@ -1631,6 +1642,7 @@ mod tests {
             last_seen_ms: 2_000,
             remote: String::new(),
             user_agent: String::new(),
+            groups: Groups::default(),
             last_sent: None,
             acked: None,
             acked_ms: None,

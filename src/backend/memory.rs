@@ -20,7 +20,7 @@ use super::{
     Appended, Backend, BackendResult, Gap, ItemOutcome, NewEvent, ReadPage, ShardState,
     StoredEvent, SupersedeKey, Tail, TailBatch,
 };
-use crate::model::{unix_ms, Cursor, Epoch, Position, ResyncReason, Target};
+use crate::model::{unix_ms, Cursor, Epoch, Position, ResyncReason};
 
 #[derive(Debug, Clone)]
 pub struct MemorySettings {
@@ -191,9 +191,10 @@ impl Inner {
                 copies.push(Cursor::new(self.epoch.clone(), shard, position));
             }
             // A device target always yields one shard, the others at least one (shards >= 1).
-            // Copies are kept for a broadcast only: the fleet API's not-acknowledged query.
+            // Copies are kept for a broadcast or a group event: the fleet API's
+            // not-acknowledged query.
             let cursor = copies[0].clone();
-            if !matches!(event.target, Target::Broadcast) {
+            if !event.target.is_per_shard() {
                 copies.clear();
             }
             if let Some(key) = dedupe {
@@ -400,7 +401,7 @@ impl Tail for MemoryTail {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::{DeviceId, EventType};
+    use crate::model::{DeviceId, EventType, Target};
 
     fn backend(max_len: usize) -> MemoryBackend {
         MemoryBackend::new(MemorySettings {

@@ -129,13 +129,13 @@ pub struct NewEvent {
 /// Outcome of one appended (or deduplicated) event, in input order.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Appended {
-    /// For a broadcast: the copy on shard 0.
+    /// For a broadcast or a group event: the copy on shard 0.
     pub cursor: Cursor,
     pub duplicate: bool,
-    /// For a broadcast stored on every shard, by this request or (a duplicate) by an earlier
-    /// one with its key: each copy, in shard order (what the fleet API's not-acknowledged query
-    /// compares acks with), so a broadcast completed by a retry is known like any other. Empty
-    /// for a unicast, and when some copy's id is not known.
+    /// For a broadcast or a group event stored on every shard, by this request or (a
+    /// duplicate) by an earlier one with its key: each copy, in shard order (what the fleet
+    /// API's not-acknowledged query compares acks with), so an event completed by a retry is
+    /// known like any other. Empty for a unicast, and when some copy's id is not known.
     pub copies: Vec<Cursor>,
 }
 

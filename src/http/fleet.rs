@@ -20,8 +20,8 @@ use super::{
 };
 use crate::{
     actors::fleet::SubscribeEvents,
-    backend::fleet::{DeviceRecord, OnlineFilter},
-    model::{shard_of, unix_ms, Cursor, DeviceId, Target},
+    backend::fleet::{DeviceFilter, DeviceRecord, OnlineFilter},
+    model::{shard_of, unix_ms, Cursor, DeviceId, GroupName, Target},
     sse::Farewell,
 };
 
@@ -35,6 +35,7 @@ const MAX_ACK_BODY: usize = 4096;
 #[serde(deny_unknown_fields)]
 pub struct ListQuery {
     online: Option<String>,
+    group: Option<String>,
     limit: Option<String>,
     cursor: Option<String>,
     /// The token may come as `?token=` (auth.rs); it is no filter.
@@ -82,6 +83,7 @@ pub fn record_json(record: &DeviceRecord) -> Value {
         "last_seen_at": time(record.last_seen_ms),
         "remote": text(&record.remote),
         "user_agent": text(&record.user_agent),
+        "groups": record.groups,
         "last_sent_id": record.last_sent.as_ref().map(Cursor::to_string),
         "acked_id": record.acked.as_ref().map(Cursor::to_string),
         "acked_at": record.acked_ms.map_or(Value::Null, time),
@@ -122,14 +124,14 @@ pub async fn device(
     }
 }
 
-/// `GET /v1/devices?online=true|false&limit=N&cursor=C`.
+/// `GET /v1/devices?online=true|false&group=G&limit=N&cursor=C`.
 pub async fn list(request: &HttpRequest, state: &AppState) -> Result<HttpResponse, ApiError> {
     let query = web::Query::<ListQuery>::from_query(request.query_string())
         .map_err(|error| ApiError::InvalidRequest(format!("invalid query string: {error}")))?
         .into_inner();
     require_fleet_reader(request, state).await?;
     let fleet = fleet_of(state)?;
-    let filter = match query.online.as_deref() {
+    let online = match query.online.as_deref() {
         None => OnlineFilter::Any,
         Some("true") => OnlineFilter::Online,
         Some("false") => OnlineFilter::Offline,
@@ -139,10 +141,17 @@ pub async fn list(request: &HttpRequest, state: &AppState) -> Result<HttpRespons
             )))
         }
     };
+    let group = query
+        .group
+        .as_deref()
+        .map(GroupName::parse)
+        .transpose()
+        .map_err(|error| ApiError::InvalidRequest(format!("group: {error}")))?;
+    let filter = DeviceFilter { online, group };
     let limit = parse_limit(query.limit.as_deref())?;
     let page = fleet
         .store
-        .list(filter, limit, query.cursor.as_deref())
+        .list(&filter, limit, query.cursor.as_deref())
         .await?;
     Ok(HttpResponse::Ok().json(json!({
         "devices": page.devices.iter().map(record_json).collect::<Vec<_>>(),
@@ -218,7 +227,8 @@ pub async fn ack(
 
 /// `GET /v1/fleet/unacknowledged?event=ID&limit=N&cursor=C`: the devices that have not
 /// acknowledged the event (a unicast: its device, if it has not; a broadcast published through
-/// this API: every known device whose ack is behind the copy on its shard), a page at a time.
+/// this API: every known device whose ack is behind the copy on its shard; a group event: the
+/// same among the group's members), a page at a time.
 pub async fn unacknowledged(
     request: &HttpRequest,
     state: &AppState,
@@ -265,16 +275,25 @@ pub async fn unacknowledged(
             };
             (unacked, None)
         }
-        Target::Broadcast => {
+        Target::Broadcast | Target::Group(_) => {
+            let (what, group) = match &entry.target {
+                Target::Group(group) => ("an event of a group", Some(group.clone())),
+                _ => ("a broadcast", None),
+            };
             let copies = fleet.store.broadcast_copies(&event).await?.ok_or_else(|| {
                 ApiError::EventNotFound(format!(
-                    "{event_text} is not a broadcast published through POST /v1/events \
-                         within presence.retention (the hub records the copies of those only)"
+                    "{event_text} is not {what} published through POST /v1/events and still \
+                     kept by the backend (the hub records the copies of those only)"
                 ))
             })?;
+            // A group's: the devices whose latest session was in the group.
+            let filter = DeviceFilter {
+                online: OnlineFilter::Any,
+                group,
+            };
             let page = fleet
                 .store
-                .list(OnlineFilter::Any, limit, query.cursor.as_deref())
+                .list(&filter, limit, query.cursor.as_deref())
                 .await?;
             let shards = state.backend.shards();
             let unacked = page
@@ -289,14 +308,6 @@ pub async fn unacknowledged(
                 .map(|record| record_json(&record))
                 .collect();
             (unacked, page.next)
-        }
-        Target::Group(group) => {
-            // Presence records do not say the groups of a device yet, so its members are not
-            // known here.
-            return Err(ApiError::EventNotFound(format!(
-                "{event_text} is an event of group {group}: the not-acknowledged query answers \
-                 for device events and broadcasts"
-            )));
         }
     };
     Ok(HttpResponse::Ok().json(json!({

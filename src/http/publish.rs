@@ -75,8 +75,9 @@ async fn answer_publish(
         }
     };
     if let Some(fleet) = &state.fleet {
-        // What the not-acknowledged query of a broadcast compares each device's ack with. The
-        // broadcast is published either way: a failure here only makes that query answer 404.
+        // What the not-acknowledged query of a broadcast or group event compares each device's
+        // ack with. The event is published either way: a failure here only makes that query
+        // answer 404.
         for appended in appended.iter().flatten() {
             if appended.copies.is_empty() {
                 continue;

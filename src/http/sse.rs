@@ -154,7 +154,10 @@ async fn stream(
             socket_fd: request
                 .conn_data::<ConnectionSocket>()
                 .map(|socket| socket.0),
-            peer: peer_of(request),
+            peer: Peer {
+                groups: credential.groups.clone(),
+                ..peer_of(request)
+            },
             credential,
         })
         .await
@@ -193,6 +196,7 @@ fn peer_of(request: &HttpRequest) -> Peer {
             .map(|address| address.to_string())
             .unwrap_or_default(),
         user_agent: user_agent[..end].to_owned(),
+        groups: Groups::default(),
     }
 }
 

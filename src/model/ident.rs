@@ -128,6 +128,13 @@ impl serde::Serialize for GroupName {
     }
 }
 
+impl<'de> serde::Deserialize<'de> for GroupName {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let text = String::deserialize(deserializer)?;
+        GroupName::parse(&text).map_err(serde::de::Error::custom)
+    }
+}
+
 /// The groups a stream's device belongs to, sorted and without repeats. Empty costs no
 /// allocation, which is what a fleet without groups keeps per connection.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -164,6 +171,26 @@ impl Groups {
 
     pub fn iter(&self) -> std::slice::Iter<'_, GroupName> {
         self.0.iter()
+    }
+
+    /// The names joined by commas, as `parse_list` reads them.
+    pub fn to_list(&self) -> String {
+        self.iter()
+            .map(GroupName::as_str)
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+}
+
+impl serde::Serialize for Groups {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.collect_seq(self.iter())
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for Groups {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        Vec::<GroupName>::deserialize(deserializer).map(Self::new)
     }
 }
 

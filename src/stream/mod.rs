@@ -30,7 +30,7 @@ pub use queue::{QueueSender, QueueWatch, TrySendError, Waiting, WakeBatch};
 
 use crate::{
     metrics::Metrics,
-    model::{CloseReason, Credential},
+    model::{CloseReason, Credential, Groups},
     pod::PodState,
     replay::Replayer,
 };
@@ -58,6 +58,8 @@ pub struct Route {
 pub struct Peer {
     pub remote: String,
     pub user_agent: String,
+    /// The groups the stream was opened with (its credential's), shown in the device's record.
+    pub groups: Groups,
 }
 
 /// What a stream has written so far, read by the Router for presence.

@@ -669,6 +669,87 @@ pub async fn the_unacknowledged_are_listed(env: &mut Env) {
     );
 }
 
+/// A device's record says the groups of its stream; `GET /v1/devices?group=` lists a group's
+/// devices, online or not; a group event's not-acknowledged list holds the members that have
+/// not acknowledged the copy on their shard, and no other device.
+pub async fn the_fleet_knows_the_groups(env: &mut Env) {
+    let hub = pod(env, "pod-a", "30s", DEBOUNCE).await;
+    let join = |device: &str, groups: &str| {
+        let path = format!("{}?groups={groups}", stream_path(device));
+        let addr = hub.addr();
+        async move {
+            let client = SseClient::connect(addr, &path, &[]).await;
+            assert_eq!(client.status(), 200, "{path}");
+            client
+        }
+    };
+    let mut in_both = join("gr-a", "store-17,merchant-9").await;
+    let mut in_store = join("gr-b", "store-17").await;
+    let _elsewhere = join("gr-c", "store-18").await;
+    let _in_none = stream_of(&hub, "gr-d", &[]).await;
+    for device in ["gr-a", "gr-b", "gr-c", "gr-d"] {
+        presence_until(&hub, device, WAIT, "online", |r| r["online"] == true).await;
+    }
+    let (status, record) = get_json(&hub, "/v1/devices/gr-a").await;
+    assert_eq!(status, 200, "{record}");
+    assert_eq!(
+        record["groups"],
+        json!(["merchant-9", "store-17"]),
+        "{record}"
+    );
+    let (_, record) = get_json(&hub, "/v1/devices/gr-d").await;
+    assert_eq!(record["groups"], json!([]), "{record}");
+    let listed = |query: &'static str| {
+        let hub = &hub;
+        async move {
+            let (status, body) = get_json(hub, &format!("/v1/devices?{query}&limit=1000")).await;
+            assert_eq!(status, 200, "{query}: {body}");
+            body["devices"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|record| record["device"].as_str().unwrap().to_string())
+                .filter(|device| device.starts_with("gr-"))
+                .collect::<Vec<_>>()
+        }
+    };
+    assert_eq!(listed("group=store-17").await, ["gr-a", "gr-b"]);
+    assert_eq!(listed("group=merchant-9").await, ["gr-a"]);
+
+    // A group event: both members receive it; gr-b then goes away without acking it.
+    let results = publish_ok(
+        &hub,
+        &json!({ "group": "store-17", "type": "prices", "data": "v2" }),
+    )
+    .await;
+    let event = results[0]["id"].as_str().unwrap().to_string();
+    let received = in_both.expect_event(WAIT).await.id.unwrap();
+    let ours = |listed: Vec<String>| -> Vec<String> {
+        listed
+            .into_iter()
+            .filter(|device| device.starts_with("gr-"))
+            .collect()
+    };
+    in_store.expect_event(WAIT).await;
+    drop(in_store);
+    presence_until(&hub, "gr-b", WAIT, "offline", |r| r["online"] == false).await;
+    assert_eq!(listed("group=store-17&online=true").await, ["gr-a"]);
+    assert_eq!(listed("group=store-17&online=false").await, ["gr-b"]);
+    assert_eq!(
+        ours(unacknowledged_all(&hub, &event, 2).await),
+        ["gr-a", "gr-b"]
+    );
+    assert_eq!(ack(&hub, "gr-a", &received).await.status, 204);
+    assert_eq!(ours(unacknowledged_all(&hub, &event, 2).await), ["gr-b"]);
+
+    let (status, body) = get_json(&hub, "/v1/devices?group=a%2Fb").await;
+    assert_eq!(
+        (status, body["error"].as_str()),
+        (400, Some("invalid_request")),
+        "{body}"
+    );
+}
+
 async fn unacknowledged(hub: &Hub, event: &str, limit: usize) -> Vec<String> {
     let (status, body) = get_json(
         hub,

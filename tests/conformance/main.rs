@@ -196,6 +196,7 @@ conformance! {
     fleet::acks_only_move_forward,
     fleet::the_fleet_api_checks_tokens,
     fleet::the_unacknowledged_are_listed,
+    fleet::the_fleet_knows_the_groups,
     fleet::a_new_stream_takes_over_across_pods,
     fleet::a_double_connect_leaves_one_stream,
     fleet::presence_written_during_an_outage_lands_after_it,

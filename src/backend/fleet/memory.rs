@@ -12,8 +12,8 @@ use futures_util::{future::BoxFuture, stream::BoxStream, FutureExt, StreamExt};
 use tokio::sync::broadcast;
 
 use super::{
-    ack_moves, last_seen_ms, refreshes, replaces, AckOutcome, DevicePage, DeviceRecord,
-    FleetMessage, FleetSettings, FleetStore, Heard, OnlineFilter, PresenceWrite, Session,
+    ack_moves, last_seen_ms, refreshes, replaces, AckOutcome, DeviceFilter, DevicePage,
+    DeviceRecord, FleetMessage, FleetSettings, FleetStore, Heard, PresenceWrite, Session,
 };
 use crate::{
     backend::BackendResult,
@@ -153,6 +153,7 @@ impl State {
             last_seen_ms,
             remote: stored.session.remote.clone(),
             user_agent: stored.session.user_agent.clone(),
+            groups: stored.session.groups.clone(),
             last_sent: stored.last_sent.clone(),
             acked: stored.acked.clone(),
             acked_ms: stored.acked_ms,
@@ -275,7 +276,7 @@ impl FleetStore for MemoryFleet {
 
     fn list(
         &self,
-        filter: OnlineFilter,
+        filter: &DeviceFilter,
         limit: usize,
         cursor: Option<&str>,
     ) -> BoxFuture<'_, BackendResult<DevicePage>> {
@@ -297,7 +298,7 @@ impl FleetStore for MemoryFleet {
         {
             last = Some(device.clone());
             let record = state.record(stored, now, self.settings.ttl);
-            if filter.admits(record.online) {
+            if filter.admits(&record) {
                 devices.push(record);
             }
         }

@@ -53,7 +53,7 @@ use futures_util::{future::BoxFuture, stream::BoxStream};
 use serde::{Deserialize, Serialize};
 
 use super::BackendResult;
-use crate::model::{Cursor, DeviceId};
+use crate::model::{Cursor, DeviceId, GroupName, Groups};
 
 /// What every store is built with (`[presence]`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -81,6 +81,9 @@ pub struct Session {
     pub connected_ms: u64,
     pub remote: String,
     pub user_agent: String,
+    /// The device's groups in this session (absent in what a pod of an older version sent).
+    #[serde(default)]
+    pub groups: Groups,
 }
 
 /// Names one session without its details.
@@ -127,6 +130,7 @@ pub struct DeviceRecord {
     pub last_seen_ms: u64,
     pub remote: String,
     pub user_agent: String,
+    pub groups: Groups,
     pub last_sent: Option<Cursor>,
     pub acked: Option<Cursor>,
     pub acked_ms: Option<u64>,
@@ -143,6 +147,7 @@ impl DeviceRecord {
             connected_ms: self.connected_ms,
             remote: self.remote,
             user_agent: self.user_agent,
+            groups: self.groups,
         }
     }
 }
@@ -162,6 +167,29 @@ impl OnlineFilter {
             OnlineFilter::Online => online,
             OnlineFilter::Offline => !online,
         }
+    }
+}
+
+/// Which devices a listing returns: online or not, and in a group or not.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceFilter {
+    pub online: OnlineFilter,
+    /// Only the devices whose latest session was in this group.
+    pub group: Option<GroupName>,
+}
+
+impl DeviceFilter {
+    pub const ANY: DeviceFilter = DeviceFilter {
+        online: OnlineFilter::Any,
+        group: None,
+    };
+
+    pub fn admits(&self, record: &DeviceRecord) -> bool {
+        self.online.admits(record.online)
+            && self
+                .group
+                .as_ref()
+                .is_none_or(|group| record.groups.contains(group))
     }
 }
 
@@ -220,7 +248,7 @@ pub trait FleetStore: Send + Sync + 'static {
     /// Up to `limit` devices after `cursor` (from the start when `None`), in device-id order.
     fn list(
         &self,
-        filter: OnlineFilter,
+        filter: &DeviceFilter,
         limit: usize,
         cursor: Option<&str>,
     ) -> BoxFuture<'_, BackendResult<DevicePage>>;
@@ -231,8 +259,8 @@ pub trait FleetStore: Send + Sync + 'static {
         cursor: &Cursor,
         at_ms: u64,
     ) -> BoxFuture<'_, BackendResult<AckOutcome>>;
-    /// Records the copies of a broadcast (one per shard, in shard order) under the id the hub
-    /// answered, `copies[0]`.
+    /// Records the copies of a broadcast or a group event (one per shard, in shard order) under
+    /// the id the hub answered, `copies[0]`.
     fn record_broadcast(&self, copies: Vec<Cursor>) -> BoxFuture<'_, BackendResult<()>>;
     /// The copies of the broadcast answered as `id`; `None` if unknown or forgotten.
     fn broadcast_copies(&self, id: &Cursor) -> BoxFuture<'_, BackendResult<Option<Vec<Cursor>>>>;
@@ -260,6 +288,7 @@ impl Session {
             connected_ms: 0,
             remote: String::new(),
             user_agent: String::new(),
+            groups: Groups::default(),
         }
     }
 

@@ -46,8 +46,8 @@ use super::{found, is_not_found, unavailable, Inner, RecreateWait, RECREATE_AFTE
 use crate::{
     backend::{
         fleet::{
-            ack_moves, last_seen_ms, refreshes, replaces, AckOutcome, DevicePage, DeviceRecord,
-            FleetMessage, FleetSettings, FleetStore, Heard, OnlineFilter, PresenceWrite, Session,
+            ack_moves, last_seen_ms, refreshes, replaces, AckOutcome, DeviceFilter, DevicePage,
+            DeviceRecord, FleetMessage, FleetSettings, FleetStore, Heard, PresenceWrite, Session,
         },
         BackendError, BackendResult,
     },
@@ -560,6 +560,7 @@ impl NatsFleet {
             last_seen_ms,
             remote: stored.session.remote.clone(),
             user_agent: stored.session.user_agent.clone(),
+            groups: stored.session.groups.clone(),
             last_sent: cursor(&stored.last_sent),
             acked: cursor(&stored.acked),
             acked_ms: stored.acked_ms,
@@ -648,7 +649,7 @@ impl NatsFleet {
 
     async fn list(
         &self,
-        filter: OnlineFilter,
+        filter: &DeviceFilter,
         limit: usize,
         cursor: Option<&str>,
     ) -> BackendResult<DevicePage> {
@@ -683,7 +684,7 @@ impl NatsFleet {
         for (device, stored) in devices.into_iter().take(limit) {
             let beat = beats.get(&stored.session.instance).copied();
             let record = self.record(&device, stored, beat);
-            if filter.admits(record.online) {
+            if filter.admits(&record) {
                 page.push(record);
             }
             last = Some(device);
@@ -904,13 +905,13 @@ impl FleetStore for NatsFleet {
 
     fn list(
         &self,
-        filter: OnlineFilter,
+        filter: &DeviceFilter,
         limit: usize,
         cursor: Option<&str>,
     ) -> BoxFuture<'_, BackendResult<DevicePage>> {
-        let cursor = cursor.map(str::to_owned);
+        let (filter, cursor) = (filter.clone(), cursor.map(str::to_owned));
         async move {
-            self.restoring(self.list(filter, limit, cursor.as_deref()).await)
+            self.restoring(self.list(&filter, limit, cursor.as_deref()).await)
                 .await
         }
         .boxed()

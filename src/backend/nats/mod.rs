@@ -502,7 +502,7 @@ impl Inner {
                         let cursor =
                             Cursor::new(epoch.clone(), shard, layout::position(ack.sequence));
                         let target = &events[index].target;
-                        if matches!(target, Target::Broadcast) {
+                        if target.is_per_shard() {
                             item.copy_cursors.push(cursor.clone());
                         }
                         if let Some(name) =

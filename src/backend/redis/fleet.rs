@@ -28,12 +28,12 @@ use super::{bad_reply, init, reply, unavailable};
 use crate::{
     backend::{
         fleet::{
-            last_seen_ms, AckOutcome, DevicePage, DeviceRecord, FleetMessage, FleetSettings,
-            FleetStore, Heard, OnlineFilter, PresenceWrite, RACE_WINDOW,
+            last_seen_ms, AckOutcome, DeviceFilter, DevicePage, DeviceRecord, FleetMessage,
+            FleetSettings, FleetStore, Heard, PresenceWrite, RACE_WINDOW,
         },
         BackendError, BackendResult,
     },
-    model::{Cursor, DeviceId},
+    model::{Cursor, DeviceId, Groups},
     report::Report,
 };
 
@@ -41,9 +41,9 @@ use crate::{
 const SUBSCRIBER_BACKLOG: usize = 4096;
 
 /// Applies presence changes to device hashes (all of one slot). KEYS: the device hashes.
-/// ARGV: retention (ms), change count, race window (ms), then 10 per change: key index, kind
+/// ARGV: retention (ms), change count, race window (ms), then 11 per change: key index, kind
 /// (`on`, `refresh`, `off`, `sent`), instance, session, pod, connected_ms, remote, user agent,
-/// ended at (ms), last sent (or ''). `on` replaces the hash's session as
+/// ended at (ms), last sent (or ''), groups (comma-separated). `on` replaces the hash's session as
 /// `backend::fleet::replaces` says, `refresh` as `backend::fleet::refreshes` says (the same
 /// session again only refreshes its expiry, a `refresh` only while it is open); `off` and
 /// `sent` apply only while the hash names the same instance and session, `sent` only while it
@@ -57,7 +57,7 @@ local function outranks(a_ms, a_instance, a_session, b_ms, b_instance, b_session
   return a_session > b_session
 end
 for i = 0, tonumber(ARGV[2]) - 1 do
-  local at = 4 + i * 10
+  local at = 4 + i * 11
   local key = KEYS[tonumber(ARGV[at])]
   local kind = ARGV[at + 1]
   local current = redis.call('HMGET', key, 'instance', 'session', 'connected_ms', 'ended_ms')
@@ -79,7 +79,7 @@ for i = 0, tonumber(ARGV[2]) - 1 do
       redis.call('HDEL', key, 'ended_ms')
       redis.call('HSET', key, 'instance', ARGV[at + 2], 'session', ARGV[at + 3],
         'pod', ARGV[at + 4], 'connected_ms', ARGV[at + 5], 'remote', ARGV[at + 6],
-        'user_agent', ARGV[at + 7])
+        'user_agent', ARGV[at + 7], 'groups', ARGV[at + 10])
     end
     if replace or (same and not (kind == 'refresh' and current[4])) then
       redis.call('PEXPIRE', key, retention)
@@ -378,7 +378,7 @@ impl RedisFleet {
 
     async fn list(
         &self,
-        filter: OnlineFilter,
+        filter: &DeviceFilter,
         limit: usize,
         cursor: Option<&str>,
     ) -> BackendResult<DevicePage> {
@@ -413,7 +413,7 @@ impl RedisFleet {
                 continue;
             };
             if let Some(record) = state.record(&device, &fields, self.settings) {
-                if filter.admits(record.online) {
+                if filter.admits(&record) {
                     devices.push(record);
                 }
             }
@@ -646,7 +646,7 @@ impl SlotCall {
     }
 }
 
-/// The device a change is about and its 9 arguments after the key index (see [`WRITE`]).
+/// The device a change is about and its 10 arguments after the key index (see [`WRITE`]).
 fn write_args(change: &PresenceWrite) -> (&DeviceId, Vec<Value>) {
     let text = |s: &str| Value::from(s.to_owned());
     match change {
@@ -665,6 +665,7 @@ fn write_args(change: &PresenceWrite) -> (&DeviceId, Vec<Value>) {
                 text(&session.user_agent),
                 text(""),
                 text(""),
+                text(&session.groups.to_list()),
             ],
         ),
         PresenceWrite::Offline {
@@ -688,6 +689,7 @@ fn write_args(change: &PresenceWrite) -> (&DeviceId, Vec<Value>) {
                         .map(Cursor::to_string)
                         .unwrap_or_default(),
                 ),
+                text(""),
             ],
         ),
         PresenceWrite::Sent { session, last_sent } => (
@@ -702,6 +704,7 @@ fn write_args(change: &PresenceWrite) -> (&DeviceId, Vec<Value>) {
                 text(""),
                 text(""),
                 Value::from(last_sent.to_string()),
+                text(""),
             ],
         ),
     }
@@ -798,6 +801,8 @@ impl State {
             last_seen_ms,
             remote: text("remote"),
             user_agent: text("user_agent"),
+            // Written by this hub, so well-formed; a record without it is in no group.
+            groups: Groups::parse_list(&text("groups")).unwrap_or_default(),
             last_sent: cursor("last_sent"),
             acked: cursor("acked"),
             acked_ms: number("acked_ms"),
@@ -822,12 +827,12 @@ impl FleetStore for RedisFleet {
 
     fn list(
         &self,
-        filter: OnlineFilter,
+        filter: &DeviceFilter,
         limit: usize,
         cursor: Option<&str>,
     ) -> BoxFuture<'_, BackendResult<DevicePage>> {
-        let cursor = cursor.map(str::to_owned);
-        async move { self.list(filter, limit, cursor.as_deref()).await }.boxed()
+        let (filter, cursor) = (filter.clone(), cursor.map(str::to_owned));
+        async move { self.list(&filter, limit, cursor.as_deref()).await }.boxed()
     }
 
     fn ack(

@@ -94,7 +94,10 @@ for _ = 1, tonumber(ARGV[5]) do
   -- A group's target is '@<name>', stored as its own field: a pod that knows no groups
   -- skips the entry instead of taking it for a device's.
   local fields = {'dev', dev, 'type', kind, 'data', data}
-  if string.sub(dev, 1, 1) == '@' then fields = {'grp', string.sub(dev, 2), 'type', kind, 'data', data} end
+  local group = string.sub(dev, 1, 1) == '@'
+  -- A broadcast or a group event has a copy per shard; the fleet API compares acks with each.
+  local per_shard = dev == '*' or group
+  if group then fields = {'grp', string.sub(dev, 2), 'type', kind, 'data', data} end
   if key ~= '' then table.insert(fields, 'key'); table.insert(fields, key) end
   if exp ~= '' then table.insert(fields, 'exp'); table.insert(fields, exp) end
   if sup ~= '' then table.insert(fields, 'sup'); table.insert(fields, sup) end
@@ -119,7 +122,7 @@ for _ = 1, tonumber(ARGV[5]) do
     for copy in string.gmatch(previous, '%S+') do table.insert(answered, copy) end
     table.insert(out, answered[1])
     table.insert(out, 1)
-    if dev == '*' then table.insert(out, answered) else table.insert(out, {}) end
+    if per_shard then table.insert(out, answered) else table.insert(out, {}) end
   else
     local cursor = false
     local copies = {}
@@ -136,11 +139,11 @@ for _ = 1, tonumber(ARGV[5]) do
       if index > 0 then redis.call('HSET', KEYS[index], dev .. '/' .. sup, epoch .. ' ' .. id) end
       redis.call('XTRIM', stream, 'MAXLEN', '~', ARGV[3])
       if not cursor then cursor = epoch .. '.' .. shard .. '.' .. id end
-      if dev == '*' then table.insert(copies, epoch .. '.' .. shard .. '.' .. id) end
+      if per_shard then table.insert(copies, epoch .. '.' .. shard .. '.' .. id) end
     end
     if dedupe > 0 and ARGV[4] ~= '0' then
       local answer = cursor
-      if dev == '*' then answer = table.concat(copies, ' ') end
+      if per_shard then answer = table.concat(copies, ' ') end
       redis.call('SET', KEYS[dedupe], answer, 'PX', ARGV[4])
     end
     table.insert(out, cursor)
