@@ -48,9 +48,11 @@ struct Claims {
     scope: Scope,
     iat: Option<u64>,
     exp: Option<u64>,
-    /// The device's groups; names are checked when a stream opens.
+    /// The device's groups, read (and checked) only when a stream opens: any JSON here, so
+    /// that a token whose issuer uses `groups` for something else still publishes or reads the
+    /// fleet, and is refused as a stream token with a clear error instead of as a forgery.
     #[serde(default)]
-    groups: Vec<String>,
+    groups: serde_json::Value,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -92,15 +94,30 @@ pub struct Authenticator {
     metrics: Arc<Metrics>,
 }
 
-/// The `groups` claim's names, each checked: a token naming a group that cannot exist is a
-/// mistake of its issuer, said as such (400), not taken for a forgery.
-fn groups_of(names: &[String]) -> Result<Groups, ApiError> {
+/// The `groups` claim: absent (or null) is no group; otherwise a list of group names, each
+/// checked. A token naming a group that cannot exist is a mistake of its issuer, said as such
+/// (400), not taken for a forgery.
+fn groups_of(claim: &serde_json::Value) -> Result<Groups, ApiError> {
+    let names = match claim {
+        serde_json::Value::Null => return Ok(Groups::default()),
+        serde_json::Value::Array(names) => names,
+        other => {
+            return Err(ApiError::InvalidRequest(format!(
+                "the token's groups claim must be a list of group names, not {other}"
+            )))
+        }
+    };
     names
         .iter()
         .map(|name| {
-            GroupName::parse(name).map_err(|error| {
-                ApiError::InvalidRequest(format!("the token's groups claim: {name:?} {error}"))
-            })
+            name.as_str()
+                .ok_or_else(|| format!("{name} is not a text"))
+                .and_then(|text| {
+                    GroupName::parse(text).map_err(|error| format!("{text:?} {error}"))
+                })
+                .map_err(|error| {
+                    ApiError::InvalidRequest(format!("the token's groups claim: {error}"))
+                })
         })
         .collect::<Result<Vec<_>, _>>()
         .map(Groups::new)
@@ -229,15 +246,10 @@ impl Authenticator {
         let claims = jsonwebtoken::decode::<Claims>(&token, &key.key, &validation)
             .map_err(|error| refusal_of(&error))?
             .claims;
-        let groups = match access {
-            Access::Stream(_) => groups_of(&claims.groups)
-                .map_err(|error| Refusal(AuthRejection::Malformed, error))?,
-            _ => Groups::default(),
-        };
-        let credential = Credential {
+        let mut credential = Credential {
             issued: claims.iat,
             expires: claims.exp,
-            groups,
+            groups: Groups::default(),
         };
         if let Some(sub) = claims.sub.as_deref() {
             if self.revoked.refuses(sub, &credential) {
@@ -259,6 +271,11 @@ impl Authenticator {
             Access::Fleet => claims.scope.contains("fleet"),
         };
         if allowed {
+            // Checked last: a revoked token or another device's is refused as such first.
+            if matches!(access, Access::Stream(_)) {
+                credential.groups = groups_of(&claims.groups)
+                    .map_err(|error| Refusal(AuthRejection::Malformed, error))?;
+            }
             return Ok(credential);
         }
         Err(Refusal(

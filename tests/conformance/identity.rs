@@ -388,6 +388,8 @@ pub async fn groups_come_from_the_token(env: &mut Env) {
     for (groups, why) in [
         (json!(["store 17"]), "a name with a space"),
         (json!(seventeen), "17 groups"),
+        (json!("admins"), "a text, not a list"),
+        (json!([17]), "a number in the list"),
     ] {
         assert_eq!(
             refused_with(&hub, device, &with_groups(groups)).await,
@@ -396,4 +398,38 @@ pub async fn groups_come_from_the_token(env: &mut Env) {
         );
     }
     env.ran("bad groups claims refused");
+
+    // The claim is read for streams only, after the token's own checks: another device's token
+    // is refused for that (403) whatever its groups, and a token whose issuer uses `groups` for
+    // something else still publishes.
+    assert_eq!(
+        refused_with(&hub, "pos-other", &with_groups(json!("admins"))).await,
+        (403, Some("forbidden".into()))
+    );
+    let publisher = token(json!({
+        "sub": "producer", "scope": "publish", "iat": now(), "exp": now() + 3600,
+        "groups": ["/stores/17", "Everyone"],
+    }));
+    let response = http::request(
+        hub.addr(),
+        "POST",
+        "/v1/events",
+        &[
+            ("Authorization", bearer(&publisher).as_str()),
+            ("Content-Type", "application/json"),
+        ],
+        Some(
+            json!({ "device": device, "type": "test", "data": "x" })
+                .to_string()
+                .as_bytes(),
+        ),
+    )
+    .await;
+    assert_eq!(
+        response.status,
+        201,
+        "{}",
+        String::from_utf8_lossy(&response.body)
+    );
+    env.ran("the groups claim of other tokens");
 }
