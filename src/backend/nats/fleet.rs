@@ -753,16 +753,18 @@ impl NatsFleet {
             .map(Some)
     }
 
+    /// One JSON array per publish, as many publishes as the server's `max_payload` needs: a
+    /// connect storm's flush (each session with its user agent and groups) can outgrow one
+    /// message, which the client would refuse whole.
     async fn announce(&self, messages: Vec<FleetMessage>) -> BackendResult<()> {
-        if messages.is_empty() {
-            return Ok(());
+        let limit = self.client.server_info().max_payload.max(1024);
+        for payload in json_arrays(&messages, limit)? {
+            self.client
+                .publish(self.subject.clone(), Bytes::from(payload))
+                .await
+                .map_err(|error| unavailable("fleet channel", error))?;
         }
-        let payload = serde_json::to_vec(&messages)
-            .map_err(|error| BackendError::rejected(format!("fleet message: {error}")))?;
-        self.client
-            .publish(self.subject.clone(), Bytes::from(payload))
-            .await
-            .map_err(|error| unavailable("fleet channel", error))
+        Ok(())
     }
 
     /// A core subscription: the client subscribes again by itself after a reconnection, which
@@ -884,6 +886,29 @@ fn apply(record: &mut Option<Stored>, change: &PresenceWrite) -> bool {
     }
 }
 
+/// `items` as JSON arrays of at most `limit` bytes each (an item larger than that alone in its
+/// array), in order; none for no item.
+fn json_arrays<T: Serialize>(items: &[T], limit: usize) -> BackendResult<Vec<Vec<u8>>> {
+    let mut arrays = Vec::new();
+    let mut array = Vec::new();
+    for item in items {
+        let text = serde_json::to_vec(item)
+            .map_err(|error| BackendError::rejected(format!("fleet message: {error}")))?;
+        // The comma before the item and the closing bracket after it.
+        if !array.is_empty() && array.len() + text.len() + 2 > limit {
+            array.push(b']');
+            arrays.push(std::mem::take(&mut array));
+        }
+        array.push(if array.is_empty() { b'[' } else { b',' });
+        array.extend_from_slice(&text);
+    }
+    if !array.is_empty() {
+        array.push(b']');
+        arrays.push(array);
+    }
+    Ok(arrays)
+}
+
 impl FleetStore for NatsFleet {
     fn write(&self, changes: Vec<PresenceWrite>) -> BoxFuture<'_, BackendResult<()>> {
         async move { self.restoring(self.write(changes).await).await }.boxed()
@@ -952,6 +977,24 @@ impl FleetStore for NatsFleet {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A flush too large for one message goes as several arrays, each within the limit, that
+    /// read back to every message in order.
+    #[test]
+    fn announcements_split_at_the_payload_limit() {
+        let items: Vec<String> = (0..100).map(|n| format!("{n:0>40}")).collect();
+        assert!(json_arrays(&items[..0], 100).unwrap().is_empty());
+        let arrays = json_arrays(&items, 200).unwrap();
+        assert!(arrays.len() > 1, "{}", arrays.len());
+        let mut read = Vec::new();
+        for array in &arrays {
+            assert!(array.len() <= 200, "{}", array.len());
+            read.extend(serde_json::from_slice::<Vec<String>>(array).unwrap());
+        }
+        assert_eq!(read, items);
+        let alone = json_arrays(&["x".repeat(300)], 200).unwrap();
+        assert_eq!(alone.len(), 1, "an item above the limit goes alone");
+    }
 
     /// Every device id has a valid KV key that reads back to it; escaped keys do not collide.
     #[test]
