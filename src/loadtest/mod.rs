@@ -311,6 +311,14 @@ impl Run {
         if common.groups > 0 && common.peer != Peer::Posthorn {
             return Err(LoadtestError::Usage("--groups is posthorn's".into()));
         }
+        if common.groups > 0
+            && (common.tokens.token_secret.is_some() || common.tokens.token_key.is_some())
+        {
+            // A jwt hub takes groups from the token only and ignores `?groups=`.
+            return Err(LoadtestError::Usage(
+                "--groups joins with ?groups=, which a hub with tokens ignores".into(),
+            ));
+        }
         let endpoint = Endpoint::parse(&common.url, common.allow_remote, &common.tls)?;
         // Source addresses other than 127.0.0.1 only reach a loopback target.
         let sources = match endpoint.addr.ip() {
@@ -689,5 +697,9 @@ mod tests {
         );
         let refused = run(&["--peer", "nchan", "--groups", "1"]).err().unwrap();
         assert!(refused.to_string().contains("--groups"), "{refused}");
+        let refused = run(&["--groups", "1", "--token-secret", "s"])
+            .err()
+            .unwrap();
+        assert!(refused.to_string().contains("ignores"), "{refused}");
     }
 }
