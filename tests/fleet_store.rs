@@ -1186,6 +1186,33 @@ pub async fn every_pod_hears_every_announcement_in_order(env: &mut Env) {
     }
 }
 
+/// A connect storm's flush larger than one NATS message may be (1 MB by default): each session
+/// with a long user agent and 16 groups, 2,000 of them. Every pod hears all of it, in order.
+pub async fn a_flush_larger_than_a_message_is_heard_whole(env: &mut Env) {
+    let a = env.pod(SETTINGS).await;
+    let b = env.pod(SETTINGS).await;
+    let mut heard_a = a.subscribe().await.expect("subscribe");
+    let mut heard_b = b.subscribe().await.expect("subscribe");
+    until_subscribed(&*a, &mut [&mut heard_a, &mut heard_b]).await;
+    let names: Vec<String> = (0..16).map(|n| format!("merchant-{n:0>15}")).collect();
+    let groups = Groups::parse_list(&names.join(",")).expect("groups");
+    let storm: Vec<FleetMessage> = (0..2000)
+        .map(|n| {
+            FleetMessage::Connected(Session {
+                user_agent: "x".repeat(256),
+                groups: groups.clone(),
+                ..session(&format!("storm-{n:04}"), "a-inst", n)
+            })
+        })
+        .collect();
+    let bytes = serde_json::to_vec(&storm).expect("json").len();
+    assert!(bytes > 1 << 20, "only {bytes} bytes");
+    a.announce(storm.clone()).await.expect("announce");
+    for (name, heard) in [("a", &mut heard_a), ("b", &mut heard_b)] {
+        assert!(receive(heard, storm.len()).await == storm, "pod {name}");
+    }
+}
+
 /// A subscription survives a restart of the store's servers: it says that messages may have
 /// been lost (a gap: its pod then reads the store again), and what is announced after the
 /// restart arrives (what was announced during it may be lost).
@@ -1350,6 +1377,7 @@ fleet_store! {
     buckets_made_with_direct_gets_keep_them,
     broadcast_copies_round_trip,
     every_pod_hears_every_announcement_in_order,
+    a_flush_larger_than_a_message_is_heard_whole,
     a_subscription_survives_a_restart_and_reports_the_gap,
     a_batch_of_500_changes_is_one_round_trip,
 }
