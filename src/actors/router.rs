@@ -217,27 +217,8 @@ impl Router {
     /// Queues `item` (made anew per connection: a clone of shared bytes) on every connection of
     /// `shard`.
     fn offer_to_shard(&mut self, shard: u32, item: impl Fn() -> QueueItem, wakes: &mut WakeBatch) {
-        let mut delivered = 0;
-        let mut overflowed = Vec::new();
-        let mut closed = Vec::new();
-        for (device, route) in &self.shards[shard as usize] {
-            match route.queue.offer(item(), wakes) {
-                Ok(()) => delivered += 1,
-                Err(TrySendError::Full) => overflowed.push(device.clone()),
-                Err(TrySendError::Closed) => closed.push(device.clone()),
-            }
-        }
-        self.metrics.routed(RouteResult::Delivered, delivered);
-        self.metrics
-            .routed(RouteResult::QueueFull, overflowed.len() as u64);
-        self.metrics
-            .routed(RouteResult::Closed, closed.len() as u64);
-        for device in overflowed {
-            self.evict(shard, &device);
-        }
-        for device in closed {
-            self.remove(shard, &device);
-        }
+        let offered = offer_each(self.shards[shard as usize].iter(), item, wakes);
+        self.settle(shard, offered);
     }
 
     /// Queues `item` on every connection of `shard` whose device is a member of `group`.
@@ -252,28 +233,26 @@ impl Router {
             return;
         };
         let routes = &self.shards[shard as usize];
-        let mut delivered = 0;
-        let mut overflowed = Vec::new();
-        let mut closed = Vec::new();
-        for device in members {
-            let Some(route) = routes.get(device) else {
-                continue;
-            };
-            match route.queue.offer(item(), wakes) {
-                Ok(()) => delivered += 1,
-                Err(TrySendError::Full) => overflowed.push(device.clone()),
-                Err(TrySendError::Closed) => closed.push(device.clone()),
-            }
-        }
-        self.metrics.routed(RouteResult::Delivered, delivered);
+        let connected = members
+            .iter()
+            .filter_map(|device| routes.get_key_value(device));
+        let offered = offer_each(connected, item, wakes);
+        self.settle(shard, offered);
+    }
+
+    /// Counts what `offer_each` did and lets go of the connections it could not reach: a full
+    /// queue is a slow client (evicted), a closed one a stream already gone.
+    fn settle(&mut self, shard: u32, offered: Offered) {
         self.metrics
-            .routed(RouteResult::QueueFull, overflowed.len() as u64);
+            .routed(RouteResult::Delivered, offered.delivered);
         self.metrics
-            .routed(RouteResult::Closed, closed.len() as u64);
-        for device in overflowed {
+            .routed(RouteResult::QueueFull, offered.overflowed.len() as u64);
+        self.metrics
+            .routed(RouteResult::Closed, offered.closed.len() as u64);
+        for device in offered.overflowed {
             self.evict(shard, &device);
         }
-        for device in closed {
+        for device in offered.closed {
             self.remove(shard, &device);
         }
     }
@@ -684,6 +663,35 @@ impl Handler<Snapshot> for Router {
                 .collect(),
         )
     }
+}
+
+/// What offering one item to a set of connections did.
+struct Offered {
+    delivered: u64,
+    overflowed: Vec<DeviceId>,
+    closed: Vec<DeviceId>,
+}
+
+/// Offers `item` to each of `routes`; the Router settles the outcome once the borrow of its
+/// maps has ended.
+fn offer_each<'a>(
+    routes: impl Iterator<Item = (&'a DeviceId, &'a Route)>,
+    item: impl Fn() -> QueueItem,
+    wakes: &mut WakeBatch,
+) -> Offered {
+    let mut offered = Offered {
+        delivered: 0,
+        overflowed: Vec::new(),
+        closed: Vec::new(),
+    };
+    for (device, route) in routes {
+        match route.queue.offer(item(), wakes) {
+            Ok(()) => offered.delivered += 1,
+            Err(TrySendError::Full) => offered.overflowed.push(device.clone()),
+            Err(TrySendError::Closed) => offered.closed.push(device.clone()),
+        }
+    }
+    offered
 }
 
 #[cfg(test)]
