@@ -50,20 +50,22 @@ async fn pod(env: &Env, pod: &str) -> Hub {
 }
 
 async fn publish(hub: &Hub, device: &str, data: &str) -> String {
-    let publisher = bearer(&token(json!({ "scope": "publish", "exp": now() + 3600 })));
+    let publisher = token(json!({ "scope": "publish", "exp": now() + 3600 }));
+    let item = json!({ "device": device, "type": "test", "data": data });
+    publish_with(hub, &publisher, &item).await
+}
+
+/// Publishes `item` with the token `publisher`; its id.
+async fn publish_with(hub: &Hub, publisher: &str, item: &Value) -> String {
     let response = http::request(
         hub.addr(),
         "POST",
         "/v1/events",
         &[
             ("Content-Type", "application/json"),
-            ("Authorization", &publisher),
+            ("Authorization", &bearer(publisher)),
         ],
-        Some(
-            json!({ "device": device, "type": "test", "data": data })
-                .to_string()
-                .as_bytes(),
-        ),
+        Some(item.to_string().as_bytes()),
     )
     .await;
     assert_eq!(response.status, 201, "{}", response.text());
@@ -358,21 +360,10 @@ pub async fn groups_come_from_the_token(env: &mut Env) {
     )
     .await;
     assert_eq!(client.status(), 200);
+    let publisher = token(json!({ "scope": "publish", "exp": now() + 3600 }));
     for group in ["store-18", "store-17"] {
-        let publisher = bearer(&token(json!({ "scope": "publish", "exp": now() + 3600 })));
-        let body = json!({ "group": group, "type": "test", "data": group }).to_string();
-        let response = http::request(
-            hub.addr(),
-            "POST",
-            "/v1/events",
-            &[
-                ("Content-Type", "application/json"),
-                ("Authorization", &publisher),
-            ],
-            Some(body.as_bytes()),
-        )
-        .await;
-        assert_eq!(response.status, 201, "{}", response.text());
+        let item = json!({ "group": group, "type": "test", "data": group });
+        publish_with(&hub, &publisher, &item).await;
     }
     assert_eq!(next_kind(&mut client, WAIT).await.data, "store-17");
     assert!(
@@ -410,26 +401,7 @@ pub async fn groups_come_from_the_token(env: &mut Env) {
         "sub": "producer", "scope": "publish", "iat": now(), "exp": now() + 3600,
         "groups": ["/stores/17", "Everyone"],
     }));
-    let response = http::request(
-        hub.addr(),
-        "POST",
-        "/v1/events",
-        &[
-            ("Authorization", bearer(&publisher).as_str()),
-            ("Content-Type", "application/json"),
-        ],
-        Some(
-            json!({ "device": device, "type": "test", "data": "x" })
-                .to_string()
-                .as_bytes(),
-        ),
-    )
-    .await;
-    assert_eq!(
-        response.status,
-        201,
-        "{}",
-        String::from_utf8_lossy(&response.body)
-    );
+    let item = json!({ "device": device, "type": "test", "data": "x" });
+    publish_with(&hub, &publisher, &item).await;
     env.ran("the groups claim of other tokens");
 }
