@@ -175,6 +175,7 @@ async fn build_fleet_store(
         return Ok(None);
     }
     let settings = FleetSettings {
+        shards: config.shards(),
         ttl: config.presence.ttl,
         retention: config.presence.retention,
         broadcast_retention: config.backend_choice().retention(),

@@ -19,14 +19,16 @@ use futures_util::{stream::BoxStream, StreamExt};
 use posthorn::{
     backend::{
         fleet::{
-            memory::MemoryFleet, AckOutcome, DeviceFilter, DeviceRecord, FleetMessage,
-            FleetSettings, FleetStore, Heard, OnlineFilter, PresenceWrite, Session, SessionRef,
+            groups::{seen_window, GroupIndex},
+            memory::MemoryFleet,
+            AckOutcome, DeviceFilter, DeviceRecord, FleetMessage, FleetSettings, FleetStore, Heard,
+            OnlineFilter, PresenceWrite, Session, SessionRef,
         },
         nats::{NatsAccess, NatsBackend, NatsSettings},
         redis::{ConnectionSetup, RedisBackend, RedisSettings},
     },
     config::{Config, RedactedUrl},
-    model::{unix_ms, Cursor, DeviceId, Epoch, GroupName, Groups, Position},
+    model::{shard_of, unix_ms, Cursor, DeviceId, Epoch, GroupName, Groups, Position},
 };
 use support::{nats::NatsServer, nats_cluster::NatsCluster, RedisCluster, RedisServer};
 
@@ -35,6 +37,7 @@ const WAIT: Duration = Duration::from_secs(20);
 
 /// Long enough that nothing expires during a scenario that does not wait for it.
 const SETTINGS: FleetSettings = FleetSettings {
+    shards: 8,
     ttl: Duration::from_secs(10),
     retention: Duration::from_secs(600),
     broadcast_retention: Duration::from_secs(600),
@@ -581,6 +584,7 @@ pub async fn a_refresh_never_undoes_a_later_connect(env: &mut Env) {
 /// were last seen at its last beat.
 pub async fn an_instance_that_stops_beating_goes_offline_after_ttl(env: &mut Env) {
     let settings = FleetSettings {
+        shards: 8,
         ttl: Duration::from_millis(1500),
         retention: Duration::from_secs(600),
         broadcast_retention: Duration::from_secs(600),
@@ -689,6 +693,7 @@ pub async fn an_unknown_device_is_none(env: &mut Env) {
 /// `broadcast_retention` (here shorter) are forgotten.
 pub async fn retention_forgets(env: &mut Env) {
     let settings = FleetSettings {
+        shards: 8,
         ttl: Duration::from_secs(1),
         retention: Duration::from_secs(2),
         broadcast_retention: Duration::from_secs(1),
@@ -1060,6 +1065,116 @@ pub async fn broadcast_copies_round_trip(env: &mut Env) {
     );
 }
 
+/// Sessions written online or refreshed mark their groups in their device's shard, and every
+/// pod reads the marks: the shards of the members, since when the store indexes groups, the
+/// store's time now. Ends mark nothing; a group no one joined has no marks; a store that marked
+/// nothing has no index. What no one marked within the seen window is forgotten, the note of
+/// indexing with it, and the next mark begins again.
+pub async fn group_marks_name_the_shards_of_members(env: &mut Env) {
+    let settings = FleetSettings {
+        retention: Duration::from_secs(2),
+        ttl: Duration::from_secs(1),
+        ..SETTINGS
+    };
+    let seen = seen_window(settings.retention);
+    assert_eq!(seen, Duration::from_millis(3500));
+    let pod = env.pod(settings).await;
+    let other = env.pod(settings).await;
+    let group = |name: &str| GroupName::parse(name).expect("group");
+    assert_eq!(
+        other.group_index(&group("store-1")).await.expect("read"),
+        None,
+        "nothing marked yet"
+    );
+    let in_groups = |name: &str, id: u64, groups: &str| Session {
+        groups: Groups::parse_list(groups).expect("groups"),
+        ..session(name, "inst-a", id)
+    };
+    // Devices on three different shards of 8.
+    let names = ["dev-a", "dev-b", "dev-c"];
+    let shards: Vec<u32> = names.iter().map(|name| shard_of(name, 8)).collect();
+    assert_eq!(
+        shards.iter().collect::<BTreeSet<_>>().len(),
+        3,
+        "{shards:?}"
+    );
+    let (a, b, c) = (
+        in_groups("dev-a", 1, "store-1"),
+        in_groups("dev-b", 2, "store-1,eu"),
+        in_groups("dev-c", 3, ""),
+    );
+    let before = unix_ms();
+    pod.write(vec![
+        PresenceWrite::Online(a.clone()),
+        PresenceWrite::Refresh(b.clone()),
+        PresenceWrite::Online(c.clone()),
+        offline(&a, None),
+    ])
+    .await
+    .expect("write");
+    let after = unix_ms();
+    let index = other
+        .group_index(&group("store-1"))
+        .await
+        .expect("read")
+        .expect("store-1 is indexed");
+    assert_between(index.indexing_since_ms, before, after, "indexing since");
+    assert_between(index.now_ms, after, unix_ms(), "the store's time");
+    let marked: BTreeSet<u32> = index.marks.iter().map(|(shard, _)| *shard).collect();
+    assert_eq!(marked, BTreeSet::from([shards[0], shards[1]]));
+    for (shard, at) in &index.marks {
+        assert_between(*at, before, after, &format!("mark of shard {shard}"));
+    }
+    let marks_of = |index: Option<GroupIndex>| -> Vec<u32> {
+        index
+            .expect("indexed")
+            .marks
+            .iter()
+            .map(|(shard, _)| *shard)
+            .collect()
+    };
+    let eu = other.group_index(&group("eu")).await.expect("read");
+    assert_eq!(marks_of(eu), [shards[1]]);
+    let nowhere = other.group_index(&group("nowhere")).await.expect("read");
+    assert_eq!(marks_of(nowhere), Vec::<u32>::new());
+
+    // Nothing is marked again: all is forgotten after the seen window.
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while other
+        .group_index(&group("store-1"))
+        .await
+        .expect("read")
+        .is_some()
+    {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "store-1 still indexed {WAIT:?} after its last mark"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(
+        unix_ms() + 150 >= after + seen.as_millis() as u64,
+        "forgotten before the seen window passed"
+    );
+    let again = unix_ms();
+    let d = in_groups("dev-d", 4, "store-1");
+    pod.write(vec![PresenceWrite::Online(d.clone())])
+        .await
+        .expect("write");
+    let index = other
+        .group_index(&group("store-1"))
+        .await
+        .expect("read")
+        .expect("indexed again");
+    assert_between(
+        index.indexing_since_ms,
+        again,
+        unix_ms(),
+        "indexing begun again",
+    );
+    assert_eq!(marks_of(Some(index)), [shard_of("dev-d", 8)]);
+}
+
 fn alive(pod: &str, n: u64) -> FleetMessage {
     FleetMessage::Alive {
         pod: pod.to_owned(),
@@ -1376,6 +1491,7 @@ fleet_store! {
     every_pod_reads_a_write_at_once,
     buckets_made_with_direct_gets_keep_them,
     broadcast_copies_round_trip,
+    group_marks_name_the_shards_of_members,
     every_pod_hears_every_announcement_in_order,
     a_flush_larger_than_a_message_is_heard_whole,
     a_subscription_survives_a_restart_and_reports_the_gap,

@@ -54,6 +54,7 @@ async fn an_append_is_read_back_at_once_through_any_node() {
                 key: None,
                 expires_ms: None,
                 supersede: None,
+                only_shards: None,
             }])
             .await
             .expect("append");

@@ -43,8 +43,8 @@ use super::{rotation::Rotation, router::CloseOlder};
 use crate::{
     backend::{
         fleet::{
-            replaces, DeviceFilter, DeviceRecord, FleetMessage, FleetStore, Heard, OnlineFilter,
-            PresenceWrite, Session, SessionRef, RACE_WINDOW,
+            groups::refresh_every, replaces, DeviceFilter, DeviceRecord, FleetMessage, FleetStore,
+            Heard, OnlineFilter, PresenceWrite, Session, SessionRef, RACE_WINDOW,
         },
         BackendError,
     },
@@ -79,10 +79,6 @@ const EVALUATE_EVERY: Duration = Duration::from_millis(250);
 /// script over 10,000 keys, which the tails' reads waited behind) and a core for milliseconds,
 /// and the p99 of events published meanwhile grew several-fold (docs/BENCHMARKS.md, tenth run).
 const PROGRESS_EVERY: Duration = Duration::from_secs(5);
-/// Longest time between two refreshes of an open session's record (`presence.retention / 4`
-/// when that is shorter), so that retention never forgets a device that stays connected without
-/// being sent anything.
-const REFRESH_AT_MOST: Duration = Duration::from_secs(3600);
 /// An instance silent this many `presence.ttl`s is forgotten with the devices it held.
 const FORGET_AFTER_TTLS: u32 = 20;
 /// Frames a fleet event subscriber may fall behind by.
@@ -130,7 +126,7 @@ struct Local {
     written: u64,
     /// When its progress was last sampled.
     sampled: Instant,
-    /// When its session's record was last queued for writing (see [`REFRESH_AT_MOST`]).
+    /// When its session's record was last queued for writing (see [`refresh_every`]).
     refreshed: Instant,
     /// The store may have lost its record (the channel had a gap): written again whole, with
     /// the last sent id, at the next visit.
@@ -216,7 +212,7 @@ impl Fleet {
         shards: u32,
         instance: String,
     ) -> Self {
-        let refresh_every = (config.retention / 4).min(REFRESH_AT_MOST);
+        let refresh_every = refresh_every(config.retention);
         Self {
             store,
             router,
@@ -1119,6 +1115,7 @@ mod tests {
         };
         let store = Arc::new(MemoryFleet::new(
             FleetSettings {
+                shards: 8,
                 ttl: config.ttl,
                 retention: config.retention,
                 broadcast_retention: config.retention,
@@ -1363,6 +1360,7 @@ mod tests {
             Self {
                 inner: MemoryFleet::new(
                     FleetSettings {
+                        shards: 8,
                         ttl: Duration::from_secs(30),
                         retention: Duration::from_secs(3600),
                         broadcast_retention: Duration::from_secs(900),
@@ -1430,6 +1428,13 @@ mod tests {
             id: &Cursor,
         ) -> BoxFuture<'_, BackendResult<Option<Vec<Cursor>>>> {
             self.inner.broadcast_copies(id)
+        }
+        fn group_index(
+            &self,
+            group: &crate::model::GroupName,
+        ) -> BoxFuture<'_, BackendResult<Option<crate::backend::fleet::groups::GroupIndex>>>
+        {
+            self.inner.group_index(group)
         }
         fn announce(&self, messages: Vec<FleetMessage>) -> BoxFuture<'_, BackendResult<()>> {
             if self.away() {

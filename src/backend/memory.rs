@@ -165,7 +165,7 @@ impl Inner {
                 }));
                 continue;
             }
-            let shards: Range<u32> = event.target.shards(settings.shards);
+            let shards = event.stored_in(settings.shards);
             let data: Arc<str> = Arc::from(event.data);
             let mut copies = Vec::new();
             for shard in shards {
@@ -190,7 +190,8 @@ impl Inner {
                 log.trim(wall_ms, settings.retention, settings.max_len);
                 copies.push(Cursor::new(self.epoch.clone(), shard, position));
             }
-            // A device target always yields one shard, the others at least one (shards >= 1).
+            // A device target always yields one shard, the others at least one (shards >= 1, and
+            // a group event is given at least one).
             // Copies are kept for a broadcast or a group event: the fleet API's
             // not-acknowledged query.
             let cursor = copies[0].clone();
@@ -421,6 +422,7 @@ mod tests {
             key: key.map(String::from),
             expires_ms: None,
             supersede: None,
+            only_shards: None,
         }
     }
 
@@ -507,6 +509,7 @@ mod tests {
         let versioned = |target: Target, data: &str| NewEvent {
             target,
             supersede: Some(name.clone()),
+            only_shards: None,
             ..unicast("pos-1", data, None)
         };
         let device = Target::Device(DeviceId::parse("pos-1").unwrap());

@@ -124,6 +124,20 @@ pub struct NewEvent {
     pub expires_ms: Option<u64>,
     /// Supersede name: on replay only the newest of its (target, name) is sent.
     pub supersede: Option<EventType>,
+    /// Of a group event: the shards to store it in, ascending and not empty (where the group's
+    /// members were seen, `fleet::groups`). `None`: every shard; ignored for other targets.
+    pub only_shards: Option<Vec<u32>>,
+}
+
+impl NewEvent {
+    /// The shards it is appended to, of `shards`, ascending: its device's, every shard, or
+    /// those its group event was given.
+    pub fn stored_in(&self, shards: u32) -> Vec<u32> {
+        match (&self.target, &self.only_shards) {
+            (Target::Group(_), Some(only)) => only.clone(),
+            (target, _) => target.shards(shards).collect(),
+        }
+    }
 }
 
 /// Outcome of one appended (or deduplicated) event, in input order.

@@ -300,9 +300,12 @@ pub async fn unacknowledged(
                 .devices
                 .into_iter()
                 .filter(|record| {
-                    let shard = shard_of(record.device.as_str(), shards) as usize;
+                    // A group event has copies only in the shards its members were seen in: a
+                    // member of another shard has none to acknowledge.
+                    let shard = shard_of(record.device.as_str(), shards);
                     copies
-                        .get(shard)
+                        .iter()
+                        .find(|copy| copy.shard == shard)
                         .is_none_or(|copy| !acked_copy(record, copy))
                 })
                 .map(|record| record_json(&record))

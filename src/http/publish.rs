@@ -12,10 +12,10 @@ use serde_json::{json, Map, Value};
 
 use super::{auth::Access, error::ApiError, AppState};
 use crate::{
-    backend::{ItemFailure, NewEvent},
+    backend::{fleet::groups::shards_to_write, ItemFailure, NewEvent},
     config::parse_duration,
     metrics::PublishResult,
-    model::{unix_ms, DeviceId, EventType, GroupName, Target},
+    model::{shard_of, unix_ms, DeviceId, EventType, GroupName, Target},
 };
 
 /// Longest idempotency key accepted.
@@ -67,6 +67,8 @@ async fn answer_publish(
         }
     };
     let count = events.len() as u64;
+    let mut events = events;
+    choose_group_shards(&mut events, state).await;
     let appended = match state.backend.append(events).await {
         Ok(appended) => appended,
         Err(error) => {
@@ -336,7 +338,63 @@ fn parse_item(
         key,
         expires_ms,
         supersede,
+        only_shards: None,
     })
+}
+
+/// Gives each group event of `events` the shards where its group's members were seen (one read
+/// of the group's index per group). Where that is not known (presence off, an index too young
+/// to trust, a store that does not answer) the event goes to every shard: a copy too many costs
+/// an entry, a copy too few would lose the event for a member. A group with no member seen gets
+/// one copy, in the shard its name hashes to, so that it has an id like any event.
+async fn choose_group_shards(events: &mut [NewEvent], state: &AppState) {
+    let Some(fleet) = &state.fleet else {
+        return;
+    };
+    let mut groups: Vec<&GroupName> = events
+        .iter()
+        .filter_map(|event| match &event.target {
+            Target::Group(group) => Some(group),
+            _ => None,
+        })
+        .collect();
+    if groups.is_empty() {
+        return;
+    }
+    groups.sort();
+    groups.dedup();
+    let shards = state.backend.shards();
+    let retention = state.config.presence.retention;
+    let reads = groups.into_iter().map(|group| async move {
+        let chosen = match fleet.store.group_index(group).await {
+            Ok(index) => shards_to_write(index.as_ref(), retention, shards).map(|seen| {
+                if seen.is_empty() {
+                    vec![shard_of(group.as_str(), shards)]
+                } else {
+                    seen
+                }
+            }),
+            Err(error) => {
+                log::warn!(
+                    "fleet: where the members of group {group} are is not known ({}): its \
+                     events go to every shard",
+                    crate::report::Report(&error)
+                );
+                None
+            }
+        };
+        (group.clone(), chosen)
+    });
+    let chosen: std::collections::HashMap<GroupName, Option<Vec<u32>>> =
+        futures_util::future::join_all(reads)
+            .await
+            .into_iter()
+            .collect();
+    for event in events.iter_mut() {
+        if let Target::Group(group) = &event.target {
+            event.only_shards = chosen.get(group).cloned().flatten();
+        }
+    }
 }
 
 fn take_string(

@@ -439,6 +439,7 @@ mod tests {
             key: None,
             expires_ms,
             supersede: sup.map(|name| EventType::parse(name).unwrap()),
+            only_shards: None,
         }
     }
 

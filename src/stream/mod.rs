@@ -347,6 +347,7 @@ mod tests {
                     key: None,
                     expires_ms: None,
                     supersede: None,
+                    only_shards: None,
                 })
                 .collect();
             self.backend

@@ -7,7 +7,7 @@
 use serde_json::{json, Value};
 
 use crate::env::{device_on_shard, shard, Env, Fault, SHARDS};
-use crate::support::{http, stream_path, Hub, SseClient};
+use crate::support::{http, stream_path, Hub, SseClient, SseNext};
 use crate::{assert_quiet, data_of, publish, publish_ok, publish_to, WAIT};
 
 /// The stream path of `device` as a member of `groups` (comma-separated).
@@ -214,4 +214,175 @@ pub async fn memberships_and_group_publishes_are_checked(env: &mut Env) {
         "no part of a refused batch was stored"
     );
     env.ran("group publishes checked");
+}
+
+/// With presence on, a group event goes only to the shards where its members were seen, once
+/// the group's index is trusted (three refresh periods after it began: 3 s with
+/// `presence.retention` 4 s): the answer's id is then the copy on the members' first shard, not
+/// shard 0's, members on k shards cost k entries (where the store can be counted), each member
+/// receives its shard's copy and a device of another group on a third shard nothing. The
+/// not-acknowledged query lists the members behind their shard's copy. A member that joins on a
+/// new shard is marked at its pod's next flush, and group events from then on are stored there
+/// too.
+pub async fn a_group_event_is_stored_only_where_its_members_are(env: &mut Env) {
+    let hub = env
+        .hub()
+        .env("POSTHORN_PRESENCE__TTL", "1s")
+        .env("POSTHORN_PRESENCE__RETENTION", "4s")
+        .start()
+        .await;
+    let (near, far, late) = (
+        device_on_shard("k", 5),
+        device_on_shard("k", 40),
+        device_on_shard("k", 20),
+    );
+    let mut on_near = member(&hub, &near, "store-8", None).await;
+    let mut on_far = member(&hub, &far, "store-8", None).await;
+    let mut stranger = member(&hub, &device_on_shard("x", 20), "store-9", None).await;
+    let counted = env.part("k entries for members in k shards", &[Fault::InspectStore]);
+    let shard_of_id = |id: &str| id.split('.').nth(1).map(str::to_owned);
+
+    // Until the index is trusted every shard gets a copy (shard 0's answers); then the
+    // members' two (shard 5's answers).
+    let mut probes = 0;
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let before = if counted {
+            env.stored_entries().await
+        } else {
+            0
+        };
+        let id = publish_to_group(&hub, "store-8", &format!("probe-{probes}"), json!({})).await;
+        probes += 1;
+        let added = if counted {
+            env.stored_entries().await - before
+        } else {
+            0
+        };
+        if shard_of_id(&id).as_deref() == Some("5") {
+            if counted {
+                assert_eq!(added, 2, "{id}");
+            }
+            break;
+        }
+        assert_eq!(shard_of_id(&id).as_deref(), Some("0"), "every shard: {id}");
+        if counted {
+            assert_eq!(
+                added,
+                u64::from(SHARDS),
+                "before the index is trusted: {id}"
+            );
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "every shard still after {WAIT:?}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(250)).await;
+    }
+    assert!(
+        probes > 1,
+        "the index was trusted at once: it must settle first"
+    );
+    let before = if counted {
+        env.stored_entries().await
+    } else {
+        0
+    };
+    let targeted = publish_to_group(&hub, "store-8", "targeted", json!({})).await;
+    if counted {
+        assert_eq!(env.stored_entries().await - before, 2, "{targeted}");
+    }
+    let mut copies = Vec::new();
+    for (client, device, shard) in [(&mut on_near, &near, "5"), (&mut on_far, &far, "40")] {
+        let events = client.expect_events(probes + 1, WAIT).await;
+        let last = events.last().unwrap();
+        assert_eq!(last.data, "targeted", "{device}");
+        let id = last.id.clone().expect("id");
+        assert_eq!(shard_of_id(&id).as_deref(), Some(shard), "{device}: {id}");
+        copies.push(id);
+    }
+    assert_eq!(copies[0], targeted, "answered by the first copy");
+    assert_quiet(&mut stranger, "store-9 has no event").await;
+    env.ran("a group event is stored in its members' shards only");
+
+    // The not-acknowledged query: both members; after one acks its copy, the other.
+    let unacked = |event: &str| {
+        let path = format!("/v1/fleet/unacknowledged?event={event}&limit=100");
+        let addr = hub.addr();
+        async move {
+            let response = http::get(addr, &path).await;
+            assert_eq!(response.status, 200, "{}", response.text());
+            let mut devices: Vec<String> = response.json()["devices"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|record| record["device"].as_str().unwrap().to_string())
+                .collect();
+            devices.sort();
+            devices
+        }
+    };
+    let mut both = vec![near.clone(), far.clone()];
+    both.sort();
+    assert_eq!(unacked(&targeted).await, both);
+    let response = http::post_json(
+        hub.addr(),
+        &format!("/v1/devices/{far}/ack"),
+        &json!({ "id": copies[1] }),
+    )
+    .await;
+    assert_eq!(response.status, 204, "{}", response.text());
+    assert_eq!(unacked(&targeted).await, vec![near.clone()]);
+    env.ran("the not-acknowledged query of a group event stored in some shards");
+
+    // A member joins on shard 20: once its pod has marked it, events are stored there too.
+    let mut on_late = member(&hub, &late, "store-8", None).await;
+    let deadline = tokio::time::Instant::now() + WAIT;
+    let mut sent = 0;
+    let first = loop {
+        let before = if counted {
+            env.stored_entries().await
+        } else {
+            0
+        };
+        let data = format!("join-{sent}");
+        publish_to_group(&hub, "store-8", &data, json!({})).await;
+        sent += 1;
+        let added = if counted {
+            env.stored_entries().await - before
+        } else {
+            0
+        };
+        match on_late
+            .next_event(std::time::Duration::from_millis(300))
+            .await
+        {
+            SseNext::Event(event) => {
+                if counted {
+                    assert_eq!(added, 3, "{event:?}");
+                }
+                assert_eq!(event.data, data, "its first group event is the newest");
+                break event;
+            }
+            SseNext::Timeout => {
+                if counted {
+                    assert_eq!(added, 2, "the members' shards, until the third is marked");
+                }
+            }
+            SseNext::Closed => panic!("the late member's stream closed"),
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "shard 20 never marked"
+        );
+    };
+    assert_eq!(
+        first.id.as_deref().and_then(shard_of_id),
+        Some("20".to_owned())
+    );
+    for client in [&mut on_near, &mut on_far] {
+        let events = client.expect_events(sent, WAIT).await;
+        assert_eq!(events.last().unwrap().data, first.data);
+    }
+    env.ran("a member on a new shard is stored for from its mark on");
 }

@@ -229,6 +229,7 @@ conformance! {
     identity::revocations_hold_through_a_store_outage,
     identity::groups_come_from_the_token,
     groups::a_group_event_reaches_its_members_only,
+    groups::a_group_event_is_stored_only_where_its_members_are,
     groups::a_member_resumes_group_events_in_order_with_its_own,
     groups::memberships_and_group_publishes_are_checked,
 }

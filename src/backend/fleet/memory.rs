@@ -12,12 +12,14 @@ use futures_util::{future::BoxFuture, stream::BoxStream, FutureExt, StreamExt};
 use tokio::sync::broadcast;
 
 use super::{
-    ack_moves, last_seen_ms, refreshes, replaces, AckOutcome, DeviceFilter, DevicePage,
-    DeviceRecord, FleetMessage, FleetSettings, FleetStore, Heard, PresenceWrite, Session,
+    ack_moves,
+    groups::{seen_window, GroupIndex, GroupMarks},
+    last_seen_ms, refreshes, replaces, AckOutcome, DeviceFilter, DevicePage, DeviceRecord,
+    FleetMessage, FleetSettings, FleetStore, Heard, PresenceWrite, Session,
 };
 use crate::{
     backend::BackendResult,
-    model::{unix_ms, Cursor, DeviceId},
+    model::{unix_ms, Cursor, DeviceId, GroupName},
 };
 
 /// Messages a slow subscriber may fall behind by before it misses some (it then hears a gap,
@@ -31,6 +33,7 @@ pub struct MemoryFleet {
     max_broadcasts: usize,
     state: Mutex<State>,
     channel: broadcast::Sender<FleetMessage>,
+    marks: GroupMarks,
 }
 
 #[derive(Default)]
@@ -49,6 +52,12 @@ struct State {
     broadcasts: HashMap<String, (u64, Vec<Cursor>)>,
     /// The same ids in the order they were recorded, so the oldest go first.
     broadcast_order: VecDeque<(u64, String)>,
+    /// When the first group was marked, and the last (Unix ms): the note of indexing is
+    /// forgotten a seen window after the last mark, as the shared stores' expires.
+    indexing_since: Option<u64>,
+    last_marked: u64,
+    /// Per group, per shard the last mark of a member there.
+    groups: HashMap<GroupName, HashMap<u32, u64>>,
 }
 
 #[derive(Clone)]
@@ -68,6 +77,7 @@ impl MemoryFleet {
             max_broadcasts,
             state: Mutex::new(State::default()),
             channel: broadcast::channel(CHANNEL_CAPACITY).0,
+            marks: GroupMarks::new(settings.shards, settings.retention),
         }
     }
 
@@ -126,6 +136,11 @@ impl State {
         });
         self.instances
             .retain(|_, beat| beat.is_some_and(|beat| beat >= oldest));
+        let unseen = now.saturating_sub(seen_window(settings.retention).as_millis() as u64);
+        self.groups.retain(|_, marks| {
+            marks.retain(|_, marked| *marked >= unseen);
+            !marks.is_empty()
+        });
     }
 
     fn record(&self, stored: &Stored, now: u64, ttl: Duration) -> DeviceRecord {
@@ -181,7 +196,22 @@ fn same_session(stored: &Stored, instance: &str, session: u64) -> bool {
 impl FleetStore for MemoryFleet {
     fn write(&self, changes: Vec<PresenceWrite>) -> BoxFuture<'_, BackendResult<()>> {
         let now = unix_ms();
+        let due = self.marks.due(&changes, now);
         let mut state = self.state();
+        let window = seen_window(self.settings.retention).as_millis() as u64;
+        if !due.is_empty() {
+            if now.saturating_sub(state.last_marked) >= window {
+                state.indexing_since = None;
+            }
+            state.indexing_since.get_or_insert(now);
+            state.last_marked = now;
+        }
+        for (group, shards) in due {
+            let marks = state.groups.entry(group).or_default();
+            for shard in shards {
+                marks.insert(shard, now);
+            }
+        }
         for change in changes {
             let refresh = matches!(change, PresenceWrite::Refresh(_));
             match change {
@@ -370,6 +400,31 @@ impl FleetStore for MemoryFleet {
         async { Ok(copies) }.boxed()
     }
 
+    fn group_index(&self, group: &GroupName) -> BoxFuture<'_, BackendResult<Option<GroupIndex>>> {
+        // Forgotten after the seen window, as the shared stores' entries expire.
+        let now_ms = unix_ms();
+        let window = seen_window(self.settings.retention).as_millis() as u64;
+        let unseen = now_ms.saturating_sub(window);
+        let state = self.state();
+        let noted = state
+            .indexing_since
+            .filter(|_| now_ms.saturating_sub(state.last_marked) < window);
+        let index = noted.map(|indexing_since_ms| GroupIndex {
+            indexing_since_ms,
+            marks: state
+                .groups
+                .get(group)
+                .into_iter()
+                .flatten()
+                .filter(|(_, &ms)| ms >= unseen)
+                .map(|(&shard, &ms)| (shard, ms))
+                .collect(),
+            now_ms,
+        });
+        drop(state);
+        async { Ok(index) }.boxed()
+    }
+
     fn announce(&self, messages: Vec<FleetMessage>) -> BoxFuture<'_, BackendResult<()>> {
         for message in messages {
             // No subscriber yet is not an error: nobody was listening.
@@ -400,6 +455,7 @@ mod tests {
     fn store(broadcast_retention: Duration, max_broadcasts: usize) -> MemoryFleet {
         MemoryFleet::new(
             FleetSettings {
+                shards: 8,
                 ttl: Duration::from_secs(30),
                 retention: Duration::from_secs(7 * 24 * 3600),
                 broadcast_retention,

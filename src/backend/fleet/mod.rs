@@ -40,11 +40,17 @@
 //!   copy on every shard, keyed by the id it answered (the copy on shard 0), for
 //!   `broadcast_retention` (the memory store also keeps at most as many as its log keeps
 //!   entries per shard).
+//! - **Group index.** Sessions written online or refreshed mark their groups in their device's
+//!   shard ([`groups::GroupMarks`], at most once per period per pod); `group_index` answers the
+//!   marks with when the store began to keep them and its clock now. A store that loses it
+//!   begins again (what a pod then publishes to the group goes to every shard for a while:
+//!   [`groups::shards_to_write`]). Marks older than [`groups::seen_window`] may be forgotten.
 //! - **Channel.** `announce` reaches every subscriber of every pod, this one included, at most
 //!   once and in order per publisher; `subscribe` is resubscribed by the store after an outage,
 //!   and then yields [`Heard::Gap`]: messages sent meanwhile may be lost, so the subscriber reads
 //!   the store again. So does one that fell behind.
 
+pub mod groups;
 pub mod memory;
 
 use std::time::Duration;
@@ -58,6 +64,8 @@ use crate::model::{Cursor, DeviceId, GroupName, Groups};
 /// What every store is built with (`[presence]`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct FleetSettings {
+    /// The backend's shards: a group's members are indexed by their device's shard.
+    pub shards: u32,
     /// An instance that has not beaten for this long is dead, and its sessions offline.
     pub ttl: Duration,
     /// Records not written for this long may be forgotten.
@@ -264,6 +272,12 @@ pub trait FleetStore: Send + Sync + 'static {
     fn record_broadcast(&self, copies: Vec<Cursor>) -> BoxFuture<'_, BackendResult<()>>;
     /// The copies of the broadcast answered as `id`; `None` if unknown or forgotten.
     fn broadcast_copies(&self, id: &Cursor) -> BoxFuture<'_, BackendResult<Option<Vec<Cursor>>>>;
+    /// Where the members of `group` were seen (marked by `write`); `None` if the store holds
+    /// nothing for it.
+    fn group_index(
+        &self,
+        group: &GroupName,
+    ) -> BoxFuture<'_, BackendResult<Option<groups::GroupIndex>>>;
     /// Sends `messages` to every pod's subscription, in order, in one message of the channel
     /// (a storm's connects travel in batches, not one publish each).
     fn announce(&self, messages: Vec<FleetMessage>) -> BoxFuture<'_, BackendResult<()>>;

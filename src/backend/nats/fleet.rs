@@ -4,7 +4,8 @@
 //!
 //! - **Buckets.** `{stream}_devices` (one JSON record per device, max age = retention),
 //!   `{stream}_pods` (one entry per instance: its last beat, max age = retention) and
-//!   `{stream}_broadcasts` (the copies of a broadcast, max age = `nats.retention`). Created or
+//!   `{stream}_broadcasts` (the copies of a broadcast, max age = `nats.retention`); `{stream}_groups`
+//!   (per group, the shards where its members were seen, max age = `groups::seen_window`). Created or
 //!   updated at start-up, and created again when a failed request finds one gone. A key is read from
 //!   the bucket's stream leader (`STREAM.MSG.GET`), never by direct get, which a replica that
 //!   has not applied the last write may answer: a pod reads back what it or any other pod
@@ -46,12 +47,14 @@ use super::{found, is_not_found, unavailable, Inner, RecreateWait, RECREATE_AFTE
 use crate::{
     backend::{
         fleet::{
-            ack_moves, last_seen_ms, refreshes, replaces, AckOutcome, DeviceFilter, DevicePage,
-            DeviceRecord, FleetMessage, FleetSettings, FleetStore, Heard, PresenceWrite, Session,
+            ack_moves,
+            groups::{seen_window, GroupIndex, GroupMarks},
+            last_seen_ms, refreshes, replaces, AckOutcome, DeviceFilter, DevicePage, DeviceRecord,
+            FleetMessage, FleetSettings, FleetStore, Heard, PresenceWrite, Session,
         },
         BackendError, BackendResult,
     },
-    model::{unix_ms, Cursor, DeviceId},
+    model::{unix_ms, Cursor, DeviceId, GroupName},
 };
 
 /// Tries of one compare-and-set before the change fails (each loses only to another writer of
@@ -83,6 +86,23 @@ struct Stored {
     acked_ms: Option<u64>,
 }
 
+/// A group's index as stored (JSON): per shard the last mark of a member there (the server's
+/// clock, ms).
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+struct StoredGroup {
+    marks: BTreeMap<u32, u64>,
+}
+
+/// When the store began to index groups (JSON; the server's clock, ms), under
+/// [`INDEXING_SINCE_KEY`] of the groups bucket.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct IndexingSince {
+    since_ms: u64,
+}
+
+/// No group's key: `=` is not a device-id character, so no escaped name holds it.
+const INDEXING_SINCE_KEY: &str = "=since";
+
 /// An instance's beat as stored (JSON); when is the entry's timestamp.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 struct Beat {
@@ -99,6 +119,8 @@ pub struct NatsFleet {
     devices: kv::Store,
     pods: kv::Store,
     broadcasts: kv::Store,
+    groups: kv::Store,
+    marks: GroupMarks,
     devices_stream: String,
     pods_stream: String,
     /// The buckets' streams as created at start-up, to create again when they are gone.
@@ -247,10 +269,16 @@ impl NatsFleet {
                 "posthorn fleet: broadcast copies",
                 settings.broadcast_retention,
             ),
+            bucket(
+                "groups",
+                "posthorn fleet: where the members of groups were seen",
+                seen_window(settings.retention),
+            ),
         ];
         let devices = open(bucket_streams[0].clone()).await?;
         let pods = open(bucket_streams[1].clone()).await?;
         let broadcasts = open(bucket_streams[2].clone()).await?;
+        let groups = open(bucket_streams[3].clone()).await?;
         let fleet = Self {
             client: inner.client.clone(),
             interruptions: inner.interruptions.clone(),
@@ -258,6 +286,8 @@ impl NatsFleet {
             devices,
             pods,
             broadcasts,
+            groups,
+            marks: GroupMarks::new(settings.shards, settings.retention),
             devices_stream: format!("KV_{stream}_devices"),
             pods_stream: format!("KV_{stream}_pods"),
             bucket_streams,
@@ -467,6 +497,13 @@ impl NatsFleet {
     }
 
     async fn write(&self, changes: Vec<PresenceWrite>) -> BackendResult<()> {
+        let due = self.marks.due(&changes, unix_ms());
+        let (marked, written) =
+            futures_util::join!(self.mark_groups(due), self.write_records(changes));
+        marked.and(written)
+    }
+
+    async fn write_records(&self, changes: Vec<PresenceWrite>) -> BackendResult<()> {
         // Per device, its changes in order; devices in parallel (one wave of reads, one of
         // writes, plus one per conflict).
         let mut per_device: BTreeMap<DeviceId, Vec<PresenceWrite>> = BTreeMap::new();
@@ -502,6 +539,149 @@ impl NatsFleet {
             result?;
         }
         Ok(())
+    }
+
+    /// Marks groups seen in shards, one compare-and-set per group, together.
+    async fn mark_groups(&self, due: BTreeMap<GroupName, Vec<u32>>) -> BackendResult<()> {
+        if due.is_empty() {
+            return Ok(());
+        }
+        self.trip();
+        let marks = due.into_iter().map(|(group, shards)| async move {
+            let key = device_key(group.as_str());
+            for _ in 0..CAS_TRIES {
+                let now = self.server_now().max(0) as u64;
+                let entry = Leader::last(&self.groups, &key)
+                    .await
+                    .map_err(|error| unavailable("group index read", error))?;
+                let (mut stored, revision) = match entry {
+                    Some(entry) => (
+                        serde_json::from_slice::<StoredGroup>(&entry.value)
+                            .ok()
+                            .filter(|_| entry.put),
+                        Some(entry.revision),
+                    ),
+                    None => (None, None),
+                };
+                let index = stored.get_or_insert_with(StoredGroup::default);
+                for &shard in &shards {
+                    index.marks.insert(shard, now);
+                }
+                // Marks no longer seen go, so the entry stays the size of the shards seen.
+                let unseen =
+                    now.saturating_sub(seen_window(self.settings.retention).as_millis() as u64);
+                index.marks.retain(|_, marked| *marked >= unseen);
+                let value = Bytes::from(
+                    serde_json::to_vec(&index)
+                        .map_err(|error| unavailable("group index", error))?,
+                );
+                let written = match revision {
+                    Some(revision) => self.groups.update(&key, value, revision).await,
+                    None => {
+                        self.groups.create(&key, value).await.map(|_| 0).map_err(
+                            |error| match error.kind() {
+                                kv::CreateErrorKind::AlreadyExists => {
+                                    kv::UpdateError::new(UpdateErrorKind::WrongLastRevision)
+                                }
+                                _ => kv::UpdateError::with_source(UpdateErrorKind::Other, error),
+                            },
+                        )
+                    }
+                };
+                match written {
+                    Ok(_) => return Ok(()),
+                    Err(error) if error.kind() == UpdateErrorKind::WrongLastRevision => continue,
+                    Err(error) => return Err(unavailable("group index write", error)),
+                }
+            }
+            Err(BackendError::unavailable(format!(
+                "nats: group index {key} kept changing under {CAS_TRIES} tries"
+            )))
+        });
+        let (results, began) = futures_util::join!(
+            futures_util::future::join_all(marks),
+            self.keep_indexing_since()
+        );
+        if began.is_err() || results.iter().any(Result::is_err) {
+            // Some marks may not have been written: the retry marks them again.
+            self.marks.forget();
+        }
+        results
+            .into_iter()
+            .collect::<BackendResult<()>>()
+            .and(began)
+    }
+
+    /// Notes when the store began to index groups, unless it has, and keeps the note from aging
+    /// out of the bucket (its max age is the seen window) while marks are written.
+    async fn keep_indexing_since(&self) -> BackendResult<()> {
+        let window = seen_window(self.settings.retention).as_millis() as i64;
+        let entry = Leader::last(&self.groups, INDEXING_SINCE_KEY)
+            .await
+            .map_err(|error| unavailable("group index read", error))?
+            .filter(|entry| entry.put);
+        let value = match entry {
+            Some(entry) if self.server_now() - entry.created_ms < window / 2 => return Ok(()),
+            Some(entry) => entry.value,
+            None => {
+                let since = IndexingSince {
+                    since_ms: self.server_now().max(0) as u64,
+                };
+                let value = Bytes::from(
+                    serde_json::to_vec(&since)
+                        .map_err(|error| unavailable("group index", error))?,
+                );
+                // Another pod may begin at the same moment: the first note stands.
+                return match self.groups.create(INDEXING_SINCE_KEY, value).await {
+                    Ok(_) => Ok(()),
+                    Err(error) if error.kind() == kv::CreateErrorKind::AlreadyExists => Ok(()),
+                    Err(error) => Err(unavailable("group index write", error)),
+                };
+            }
+        };
+        self.groups
+            .put(INDEXING_SINCE_KEY, value)
+            .await
+            .map(|_| ())
+            .map_err(|error| unavailable("group index write", error))
+    }
+
+    async fn group_index(&self, group: &GroupName) -> BackendResult<Option<GroupIndex>> {
+        let key = device_key(group.as_str());
+        let (since, entry) = futures_util::join!(
+            Leader::last(&self.groups, INDEXING_SINCE_KEY),
+            Leader::last(&self.groups, &key)
+        );
+        let read = |result: Result<Option<Leader>, LastRawMessageError>| {
+            result
+                .map(|entry| entry.filter(|entry| entry.put))
+                .map_err(|error| unavailable("group index read", error))
+        };
+        let Some(since) = read(since)? else {
+            return Ok(None);
+        };
+        let since: IndexingSince =
+            serde_json::from_slice(&since.value).map_err(|_| bad("group index"))?;
+        let marks = match read(entry)? {
+            Some(entry) => {
+                serde_json::from_slice::<StoredGroup>(&entry.value)
+                    .map_err(|_| bad("group index"))?
+                    .marks
+            }
+            None => BTreeMap::new(),
+        };
+        let now_ms = self.server_now().max(0) as u64;
+        let unseen = now_ms.saturating_sub(seen_window(self.settings.retention).as_millis() as u64);
+        Ok(Some(GroupIndex {
+            indexing_since_ms: since.since_ms,
+            // The entry ages out of the bucket a window after its last write; its older marks
+            // go here.
+            marks: marks
+                .into_iter()
+                .filter(|&(_, marked)| marked >= unseen)
+                .collect(),
+            now_ms,
+        }))
     }
 
     async fn beat(&self, pod: &str, instance: &str, stopping: bool) -> BackendResult<()> {
@@ -963,6 +1143,11 @@ impl FleetStore for NatsFleet {
     fn broadcast_copies(&self, id: &Cursor) -> BoxFuture<'_, BackendResult<Option<Vec<Cursor>>>> {
         let id = id.clone();
         async move { self.restoring(self.broadcast_copies(&id).await).await }.boxed()
+    }
+
+    fn group_index(&self, group: &GroupName) -> BoxFuture<'_, BackendResult<Option<GroupIndex>>> {
+        let group = group.clone();
+        async move { self.restoring(self.group_index(&group).await).await }.boxed()
     }
 
     fn announce(&self, messages: Vec<FleetMessage>) -> BoxFuture<'_, BackendResult<()>> {

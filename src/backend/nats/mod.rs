@@ -420,18 +420,19 @@ impl Inner {
             .iter()
             .map(|event| Bytes::from(event.data.clone()))
             .collect();
-        // (request index, shard): a broadcast has one copy per shard, answered by shard 0's.
+        // (request index, shard): a broadcast has one copy per shard, a group event one per
+        // shard it is given; answered by the copy on the first.
         let mut copies = Vec::with_capacity(events.len());
+        let mut items: Vec<ItemTally> = Vec::with_capacity(events.len());
         for (index, event) in events.iter().enumerate() {
-            copies.extend(event.target.shards(shards).map(|shard| (index, shard)));
-        }
-        let mut items: Vec<ItemTally> = events
-            .iter()
-            .map(|event| ItemTally {
-                copies: event.target.shards(shards).len(),
+            let stored_in = event.stored_in(shards);
+            copies.extend(stored_in.iter().map(|&shard| (index, shard)));
+            items.push(ItemTally {
+                copies: stored_in.len(),
+                answered_by: stored_in[0],
                 ..ItemTally::default()
-            })
-            .collect();
+            });
+        }
         let mut window = Vec::with_capacity(PUBLISH_WINDOW);
         let mut silent: Option<String> = None;
         // Stored copies with a supersede name, recorded in the index once acknowledged.
@@ -517,7 +518,7 @@ impl Inner {
                                 layout::position(ack.sequence),
                             ));
                         }
-                        if !target.is_per_shard() || shard == 0 {
+                        if shard == item.answered_by {
                             item.answer = Some(Appended {
                                 cursor,
                                 duplicate: ack.duplicate,
@@ -785,6 +786,8 @@ fn publish_failure(error: jetstream::context::PublishError, acking: bool) -> Ite
 #[derive(Default)]
 struct ItemTally {
     copies: usize,
+    /// The shard whose copy answers for it (its first).
+    answered_by: u32,
     stored: usize,
     /// Of a broadcast: the cursor of each copy acknowledged.
     copy_cursors: Vec<Cursor>,

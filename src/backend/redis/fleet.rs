@@ -1,14 +1,16 @@
 //! The fleet store on Redis (docs/fleet.md, "Redis keys"): one hash per device, the pods' beats
-//! and a device index under one hash tag, broadcast copies as strings, and the pub/sub channel
-//! `{prefix}:fleet`. The contract is the module doc of `backend::fleet`.
+//! and a device index under one hash tag, broadcast copies as strings, a hash per group (the
+//! shards where its members were seen), and the pub/sub channel `{prefix}:fleet`. The contract
+//! is the module doc of `backend::fleet`.
 //!
 //! - **Where.** Fleet keys live on the backend's first client: the first instance of
 //!   `redis.urls`, or the cluster. In a cluster a device's hash hashes by its whole name (devices
 //!   spread over the slots); the beats and the index share the tag `{fleet}`, so the scripts that
 //!   read them with Redis' clock keep to one slot.
 //! - **Round trips.** A batch of presence writes is one pipeline: one [`WRITE`] script per slot
-//!   of the batch's devices (standalone: one script) and one [`INDEX`] script. A reconnect storm
-//!   of 10,000 devices written in batches of hundreds costs a round trip per batch.
+//!   of the batch's devices (standalone: one script), one [`INDEX`] script and one
+//!   [`MARK_GROUP`] per group whose members it marks (`backend::fleet::groups`). A reconnect
+//!   storm of 10,000 devices written in batches of hundreds costs a round trip per batch.
 //! - **Clock.** Beats are stamped and liveness judged with Redis' `TIME`, on the node of the
 //!   `{fleet}` slot: pods' clocks do not matter.
 
@@ -28,12 +30,13 @@ use super::{bad_reply, init, reply, unavailable};
 use crate::{
     backend::{
         fleet::{
+            groups::{seen_window, GroupIndex, GroupMarks},
             last_seen_ms, AckOutcome, DeviceFilter, DevicePage, DeviceRecord, FleetMessage,
             FleetSettings, FleetStore, Heard, PresenceWrite, RACE_WINDOW,
         },
         BackendError, BackendResult,
     },
-    model::{Cursor, DeviceId, Groups},
+    model::{unix_ms, Cursor, DeviceId, GroupName, Groups},
     report::Report,
 };
 
@@ -131,6 +134,34 @@ end
 return 1
 "#;
 
+/// Marks a group's members seen in some shards now (Redis' clock). KEYS[1]: the group's hash.
+/// ARGV: its expiry (ms), then the shards.
+pub const MARK_GROUP: &str = r#"
+local t = redis.call('TIME')
+local now = string.format('%.0f', tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))
+for i = 2, #ARGV do redis.call('HSET', KEYS[1], ARGV[i], now) end
+redis.call('PEXPIRE', KEYS[1], ARGV[1])
+return 1
+"#;
+
+/// Notes when the store began to index groups, unless it has, and keeps the note for a seen
+/// window after this mark. KEYS[1]: the note. ARGV[1]: the window (ms).
+pub const BEGIN_INDEXING: &str = r#"
+local t = redis.call('TIME')
+local now = string.format('%.0f', tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))
+redis.call('SET', KEYS[1], now, 'NX')
+redis.call('PEXPIRE', KEYS[1], ARGV[1])
+return 1
+"#;
+
+/// Redis' clock and a group's hash (a mark per shard). KEYS[1]: the hash.
+/// Returns `{ms, fields (HGETALL)}`.
+pub const GROUP_INDEX: &str = r#"
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+return {string.format('%.0f', now), redis.call('HGETALL', KEYS[1])}
+"#;
+
 /// Redis' clock, every beat, and (with a limit) a page of the index. KEYS: the beats hash, the
 /// index by name. ARGV: '' (no page) or the BYLEX start, then the count.
 /// Returns `{ms, beats (HGETALL), names}`.
@@ -191,6 +222,12 @@ impl Keys {
     fn broadcast(&self, id: &str) -> String {
         format!("{}:fleet:bc:{id}", self.prefix)
     }
+    fn group(&self, group: &str) -> String {
+        format!("{}:fleet:grp:{group}", self.prefix)
+    }
+    fn indexing_since(&self) -> String {
+        format!("{}:fleet:grp-since", self.prefix)
+    }
     fn channel(&self) -> String {
         format!("{}:fleet", self.prefix)
     }
@@ -204,6 +241,7 @@ pub struct RedisFleet {
     settings: FleetSettings,
     /// Exchanges with Redis so far (a pipeline counts once): what tests hold writes to.
     round_trips: AtomicU64,
+    marks: GroupMarks,
 }
 
 /// One command of a pipeline: name, slot key, arguments.
@@ -243,6 +281,7 @@ impl RedisFleet {
             client,
             cluster,
             keys: Keys { prefix },
+            marks: GroupMarks::new(settings.shards, settings.retention),
             settings,
             round_trips: AtomicU64::new(0),
         };
@@ -343,7 +382,80 @@ impl RedisFleet {
             })
             .collect();
         calls.push(self.index_call(devices));
-        self.exchange(calls).await.map(|_| ())
+        let expiry = ms_arg(seen_window(self.settings.retention));
+        let due = self.marks.due(&changes, unix_ms());
+        if !due.is_empty() {
+            calls.push(eval(
+                BEGIN_INDEXING,
+                vec![self.keys.indexing_since()],
+                vec![expiry.clone()],
+            ));
+        }
+        for (group, shards) in due {
+            let mut args = vec![expiry.clone()];
+            args.extend(
+                shards
+                    .into_iter()
+                    .map(|shard| Value::from(i64::from(shard))),
+            );
+            calls.push(eval(
+                MARK_GROUP,
+                vec![self.keys.group(group.as_str())],
+                args,
+            ));
+        }
+        let written = self.exchange(calls).await.map(|_| ());
+        if written.is_err() {
+            // Some marks may not have been written: the retry marks them again.
+            self.marks.forget();
+        }
+        written
+    }
+
+    async fn group_index(&self, group: &GroupName) -> BackendResult<Option<GroupIndex>> {
+        let since_key = self.keys.indexing_since();
+        let replies = self
+            .exchange(vec![
+                eval(
+                    GROUP_INDEX,
+                    vec![self.keys.group(group.as_str())],
+                    Vec::new(),
+                ),
+                Call {
+                    name: "GET",
+                    slot_key: since_key.clone(),
+                    args: vec![Value::from(since_key)],
+                },
+            ])
+            .await?;
+        let bad = || bad_reply("fleet group index");
+        let [index, since] = replies.as_slice() else {
+            return Err(bad());
+        };
+        let number = |value: &Value| reply::text(value).and_then(|text| text.parse::<u64>().ok());
+        if matches!(since, Value::Null) {
+            return Ok(None);
+        }
+        let indexing_since_ms = number(since).ok_or_else(bad)?;
+        let [now, fields] = reply::items(index) else {
+            return Err(bad());
+        };
+        let now_ms = number(now).ok_or_else(bad)?;
+        let marks = reply::items(fields)
+            .chunks(2)
+            .map(|pair| match pair {
+                [shard, marked] => reply::text(shard)
+                    .and_then(|shard| shard.parse::<u32>().ok())
+                    .zip(number(marked))
+                    .ok_or_else(bad),
+                _ => Err(bad()),
+            })
+            .collect::<BackendResult<Vec<_>>>()?;
+        Ok(Some(GroupIndex {
+            indexing_since_ms,
+            marks,
+            now_ms,
+        }))
     }
 
     async fn beat(&self, instance: &str, stopping: bool) -> BackendResult<()> {
@@ -852,6 +964,11 @@ impl FleetStore for RedisFleet {
     fn broadcast_copies(&self, id: &Cursor) -> BoxFuture<'_, BackendResult<Option<Vec<Cursor>>>> {
         let id = id.clone();
         async move { self.broadcast_copies(&id).await }.boxed()
+    }
+
+    fn group_index(&self, group: &GroupName) -> BoxFuture<'_, BackendResult<Option<GroupIndex>>> {
+        let group = group.clone();
+        async move { self.group_index(&group).await }.boxed()
     }
 
     fn announce(&self, messages: Vec<FleetMessage>) -> BoxFuture<'_, BackendResult<()>> {

@@ -62,7 +62,7 @@ use super::{
 };
 use crate::{
     config::RedisConfig,
-    model::{Cursor, Epoch, Position, Target},
+    model::{Cursor, Epoch, Position},
     report::Report,
 };
 
@@ -330,7 +330,7 @@ impl GroupCall {
         layout: &Layout,
         group: usize,
         event: &NewEvent,
-        shards: Range<u32>,
+        shards: Vec<u32>,
         item: usize,
         answers: Option<usize>,
     ) {
@@ -338,6 +338,7 @@ impl GroupCall {
             self.key(layout.dedupe_key(group, &event.target.as_field(), key))
         });
         let streams: Vec<(usize, u32, usize)> = shards
+            .into_iter()
             .map(|shard| {
                 let stream = self.key(layout.stream_key(shard));
                 let index = match event.supersede {
@@ -517,31 +518,28 @@ impl Inner {
         let layout = &self.layout;
         let groups = layout.groups as usize;
         let mut calls: Vec<GroupCall> = (0..groups).map(|_| GroupCall::new()).collect();
-        // Per request item: the groups it was sent to.
-        let mut spans: Vec<Range<usize>> = Vec::with_capacity(events.len());
+        // Per request item: the node groups it was sent to, and how many copies it has.
+        let mut spans: Vec<Vec<usize>> = Vec::with_capacity(events.len());
+        let mut expected: Vec<usize> = Vec::with_capacity(events.len());
         for (index, event) in events.iter().enumerate() {
-            match &event.target {
-                Target::Device(device) => {
-                    let shard = crate::model::shard_of(device.as_str(), layout.shards);
-                    let group = layout.group_of(shard);
-                    calls[group].push(layout, group, event, shard..shard + 1, index, Some(index));
-                    spans.push(group..group + 1);
+            let stored_in = event.stored_in(layout.shards);
+            let mut span = Vec::new();
+            for (group, call) in calls.iter_mut().enumerate() {
+                let shards: Vec<u32> = stored_in
+                    .iter()
+                    .copied()
+                    .filter(|&shard| layout.group_of(shard) == group)
+                    .collect();
+                if shards.is_empty() {
+                    continue;
                 }
-                Target::Broadcast | Target::Group(_) => {
-                    for (group, call) in calls.iter_mut().enumerate() {
-                        let answers = (group == 0).then_some(index);
-                        call.push(
-                            layout,
-                            group,
-                            event,
-                            layout.shards_of(group),
-                            index,
-                            answers,
-                        );
-                    }
-                    spans.push(0..groups);
-                }
+                // The first node group's first copy answers for the item.
+                let answers = span.is_empty().then_some(index);
+                call.push(layout, group, event, shards, index, answers);
+                span.push(group);
             }
+            spans.push(span);
+            expected.push(stored_in.len());
         }
         let mut answered: Vec<Option<Appended>> = vec![None; events.len()];
         // Every copy of each broadcast appended now, from all groups.
@@ -593,11 +591,8 @@ impl Inner {
                 }
             }
         }
-        for (answer, mut copies) in answered.iter_mut().zip(copies) {
-            if let Some(answer) = answer
-                .as_mut()
-                .filter(|_| copies.len() == layout.shards as usize)
-            {
+        for ((answer, mut copies), expected) in answered.iter_mut().zip(copies).zip(&expected) {
+            if let Some(answer) = answer.as_mut().filter(|_| copies.len() == *expected) {
                 copies.sort_by_key(|copy| copy.shard);
                 answer.copies = copies;
             }
@@ -608,7 +603,10 @@ impl Inner {
                 .map(|item| item.map(Ok).ok_or_else(|| bad_reply("append answers")))
                 .collect();
         }
-        if failed.iter().flatten().count() == calls_made(&spans, groups) {
+        let calls_made = (0..groups)
+            .filter(|group| spans.iter().any(|span| span.contains(group)))
+            .count();
+        if failed.iter().flatten().count() == calls_made {
             // Nothing is known to be stored: the request failed as a whole.
             let error = failed.into_iter().flatten().next();
             return Err(error.unwrap_or_else(|| bad_reply("append")));
@@ -616,7 +614,11 @@ impl Inner {
         Ok(answered
             .into_iter()
             .zip(spans)
-            .map(|(item, span)| item_outcome(item, &failed[span]))
+            .map(|(item, span)| {
+                let failures: Vec<Option<BackendError>> =
+                    span.iter().map(|&group| failed[group].clone()).collect();
+                item_outcome(item, &failures)
+            })
             .collect())
     }
 
@@ -747,12 +749,6 @@ fn parse_append(reply: &Value, count: usize) -> BackendResult<Vec<(Cursor, bool,
             ))
         })
         .collect()
-}
-
-fn calls_made(spans: &[Range<usize>], groups: usize) -> usize {
-    (0..groups)
-        .filter(|group| spans.iter().any(|span| span.contains(group)))
-        .count()
 }
 
 /// The answer for one item of a request some of whose group calls failed.
