@@ -3,9 +3,9 @@
 //!
 //! - [`http_unicasts`]: the unicasts of a few devices through nginx or straight to a hub, as
 //!   single objects or batches (consecutive tokens of a device stay in order inside a batch),
-//!   every item with an idempotency key (its token). 503s, 5xx from nginx, transport errors and
-//!   timeouts make the outcome unknown; it retries with the same keys until every item has a
-//!   definite answer or the deadline passes.
+//!   every item with an idempotency key (its token). 503s, 5xx from nginx, transport errors,
+//!   timeouts and `incomplete` items make the outcome unknown; it retries with the same keys
+//!   until every item has a definite answer or the deadline passes.
 //! - [`broadcasts`]: one sequential broadcaster, the same way.
 //! - [`redis_external`]: `XADD <shard's key> * dev D type T data X` on a fresh connection per
 //!   try (following `MOVED` on a cluster). Redis has no idempotency for it, so it retries only
@@ -235,6 +235,11 @@ fn take_results(name: &str, response: &http::HttpResponse, open: &[usize], items
                 });
             }
             None if result.get("error").is_some() => {
+                // Some copies of a broadcast or group event were stored: devices on those
+                // shards may receive it even if no retry completes it.
+                if result["error"] == "incomplete" {
+                    item.maybe = true;
+                }
                 item.answers.push(format!(
                     "{name}: {} error {}",
                     response.status, result["error"]
@@ -521,6 +526,19 @@ mod tests {
             Some(Outcome::Failed),
             "not sent, not touched"
         );
+    }
+
+    /// An `incomplete` broadcast or group event had some copies stored: unless a retry
+    /// completes it, its outcome stays unknown, not failed.
+    #[test]
+    fn an_incomplete_item_may_have_been_appended() {
+        let mut items = vec![item(0)];
+        let answer = response(
+            207,
+            json!({"results": [{"error": "incomplete", "message": "2 of 8 shards"}]}),
+        );
+        take_results("nginx", &answer, &[0], &mut items);
+        assert!(items[0].done.is_none() && items[0].maybe);
     }
 
     /// An answer that does not match the items sent leaves all of them possibly appended.
