@@ -4,11 +4,14 @@
 //! `resync` before anything after the gap. Per device, a *segment* is the span between resyncs;
 //! a connection opened without a cursor (the device's first) also starts one, at the moment
 //! its answer was seen. Tokens are published in *series* (the unicasts of one device; the
-//! broadcasts), each strictly sequentially: token `n + 1` is not sent before token `n` has its
-//! final answer. Violations:
+//! broadcasts; the events of one group), each strictly sequentially: token `n + 1` is not sent
+//! before token `n` has its final answer. A device must receive its own unicasts, the broadcasts
+//! and the events of the groups it names on every connect (fixed for the run); a group event,
+//! like a broadcast, is a copy per shard with another id on each. Violations:
 //!
 //! - `Phantom`: an event whose token was never attempted (or was attempted for another device,
 //!   or whose publish was answered as definitely not appended).
+//! - `Misrouted`: an event of a group the device is not a member of.
 //! - `Duplicate`: a token received twice within one segment. Across a resync it is only counted
 //!   (`duplicate_across_resync`): the application reloaded its state in between.
 //! - `OutOfOrder`: within a segment, a series' tokens must increase, and within one epoch the
@@ -41,6 +44,7 @@ use super::history::{
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
 pub enum ViolationKind {
     Phantom,
+    Misrouted,
     Duplicate,
     OutOfOrder,
     WrongId,
@@ -92,6 +96,8 @@ pub struct Report {
     /// Publish attempts by final outcome (`acked`, `failed`, `unknown`).
     pub attempts: BTreeMap<String, u64>,
     pub events_checked: u64,
+    /// Of those, events of a group the device is a member of (each member's copy counts).
+    pub group_events_checked: u64,
     pub resyncs: BTreeMap<String, u64>,
     /// A token received again after a resync (tolerated: the application reloaded its state).
     pub duplicate_across_resync: u64,
@@ -136,8 +142,9 @@ impl Report {
         );
         let _ = writeln!(
             out,
-            "events checked {}, resyncs {}, duplicates across a resync {}, epoch changes without resync {}",
+            "events checked {} (group events {}), resyncs {}, duplicates across a resync {}, epoch changes without resync {}",
             self.events_checked,
+            self.group_events_checked,
             fmt_map(&self.resyncs),
             self.duplicate_across_resync,
             self.epoch_changes_without_resync,
@@ -231,6 +238,7 @@ impl Report {
                 "devices": self.devices,
                 "attempts": self.attempts,
                 "events_checked": self.events_checked,
+                "group_events_checked": self.group_events_checked,
                 "resyncs": self.resyncs,
                 "duplicate_across_resync": self.duplicate_across_resync,
                 "epoch_changes_without_resync": self.epoch_changes_without_resync,
@@ -514,13 +522,31 @@ fn event(
         return;
     };
     let one = vec![token.clone()];
-    if token.series != *own && token.series != Series::Broadcast {
-        found.push((
-            ViolationKind::Phantom,
-            one,
-            format!("{token} was published for another device"),
-        ));
-        return;
+    match &token.series {
+        Series::Broadcast => {}
+        Series::Unicast(_) if token.series == *own => {}
+        Series::Unicast(_) => {
+            found.push((
+                ViolationKind::Phantom,
+                one,
+                format!("{token} was published for another device"),
+            ));
+            return;
+        }
+        Series::Group(group) if device.groups.contains(group) => {
+            acc.report.group_events_checked += 1;
+        }
+        Series::Group(group) => {
+            found.push((
+                ViolationKind::Misrouted,
+                one,
+                format!(
+                    "{token} is an event of group {group}; the device is a member of {:?} only",
+                    device.groups
+                ),
+            ));
+            return;
+        }
     }
     if attempt.outcome == Outcome::Failed {
         found.push((
@@ -640,14 +666,14 @@ fn gaps_within(
             let (lo, hi) = (got[0].0, got[got.len() - 1].0);
             let numbers: HashSet<u64> = got.iter().map(|r| r.0).collect();
             // Missing tokens grouped by the received token that follows them.
-            let mut groups: BTreeMap<usize, Vec<u64>> = BTreeMap::new();
+            let mut by_next: BTreeMap<usize, Vec<u64>> = BTreeMap::new();
             for &(n, _) in index.acked(series) {
                 if n > lo && n < hi && !numbers.contains(&n) {
                     let next = got.partition_point(|r| r.0 < n);
-                    groups.entry(next).or_default().push(n);
+                    by_next.entry(next).or_default().push(n);
                 }
             }
-            for (next, missing) in groups {
+            for (next, missing) in by_next {
                 let (next_n, next_obs, next_at) = got[next];
                 let prev_n = got[next - 1].0;
                 let since = published(index, series, prev_n).unwrap_or(seg.start);
@@ -673,6 +699,14 @@ fn gaps_within(
             }
         }
     }
+}
+
+/// The series whose every acknowledged token the device must receive: its unicasts, the
+/// broadcasts and the events of its groups.
+fn expected_series(device: &DeviceHistory) -> Vec<Series> {
+    let mut series = vec![Series::Unicast(device.device.clone()), Series::Broadcast];
+    series.extend(device.groups.iter().cloned().map(Series::Group));
+    series
 }
 
 /// The acknowledged tokens the device's last segment must hold once everything is quiet.
@@ -702,7 +736,7 @@ fn gaps_at_end(
     ended: Micros,
     violations: &mut Vec<Violation>,
 ) {
-    for series in [Series::Unicast(device.device.clone()), Series::Broadcast] {
+    for series in expected_series(device) {
         let received = seg.received.get(&series).map_or(&[][..], Vec::as_slice);
         let numbers: HashSet<u64> = received.iter().map(|r| r.0).collect();
         let lo = numbers.iter().min().copied().unwrap_or(0);
@@ -813,7 +847,7 @@ pub fn lagging(history: &History) -> Vec<String> {
             lagging.push(format!("{}: never connected", device.device));
             continue;
         };
-        for series in [Series::Unicast(device.device.clone()), Series::Broadcast] {
+        for series in expected_series(device) {
             let expected = expected_at_end(seg, &series, &index);
             let Some((last, _)) = expected.last() else {
                 continue;
@@ -837,9 +871,10 @@ pub fn explain(history: &History, v: &Violation) -> String {
     let mut out = String::new();
     let device = history.devices.iter().find(|d| d.device == v.device);
     let (behaviour, shard) = device.map_or(("?", 0), |d| (d.behaviour.as_str(), d.shard));
+    let groups = device.map_or(String::new(), |d| d.groups.join(","));
     let _ = writeln!(
         out,
-        "--- {:?} on {} ({behaviour}, shard {shard}) at {}, segment {}, after {}: {}",
+        "--- {:?} on {} ({behaviour}, shard {shard}, groups [{groups}]) at {}, segment {}, after {}: {}",
         v.kind,
         v.device,
         show_time(v.at),
@@ -920,7 +955,10 @@ mod tests {
     const SEC: Micros = 1_000_000;
     const DEV: &str = "d1";
 
-    /// Builds histories by hand: one device `d1` on shard 1, ids `e1.1.<pos>-0` by default.
+    const STORE: &str = "store-1";
+
+    /// Builds histories by hand: one device `d1` on shard 1, a member of [`STORE`], ids
+    /// `e1.1.<pos>-0` by default.
     struct Build {
         history: History,
         conn: u32,
@@ -936,6 +974,7 @@ mod tests {
             history.devices.push(DeviceHistory {
                 device: DEV.into(),
                 shard: 1,
+                groups: vec![STORE.into()],
                 behaviour: "steady".into(),
                 observations: Vec::new(),
             });
@@ -970,6 +1009,15 @@ mod tests {
                 duplicate: false,
             };
             self.attempt(Token::broadcast(n), started, outcome)
+        }
+
+        /// Event `n` of `group` published at `started`; the answer names the copy on shard 0.
+        fn acked_g(&mut self, group: &str, n: u64, started: Micros) -> &mut Self {
+            let outcome = Outcome::Acked {
+                id: EventId::parse(&format!("e1.0.{}-0", 2000 + n)).unwrap(),
+                duplicate: false,
+            };
+            self.attempt(Token::group(group, n), started, outcome)
         }
 
         fn observe(&mut self, at: Micros, what: Observation) -> &mut Self {
@@ -1007,6 +1055,11 @@ mod tests {
 
         fn got_b(&mut self, at: Micros, n: u64, pos: u64) -> &mut Self {
             self.event(at, &format!("b:{n}"), &id("e1", pos))
+        }
+
+        /// The copy of event `n` of `group` on the device's shard, at position `pos` of `e1`.
+        fn got_g(&mut self, at: Micros, group: &str, n: u64, pos: u64) -> &mut Self {
+            self.event(at, &format!("g:{group}:{n}|pad"), &id("e1", pos))
         }
 
         fn resync(&mut self, at: Micros, reason: &str, id: &str) -> &mut Self {
@@ -1419,5 +1472,145 @@ mod tests {
         assert!(report.summary(&b.history, 3).contains("Phantom d1"));
         let json: serde_json::Value = serde_json::from_str(&report.json_line()).unwrap();
         assert_eq!(json["chaos"]["violations"]["Phantom"], 1);
+    }
+    /// [`clean`] with two events of the device's group between its unicasts, across the
+    /// reconnect, and an event of a group it is not in that it does not receive.
+    fn clean_with_groups() -> Build {
+        let mut b = clean();
+        b.acked_g(STORE, 1, SEC + 500)
+            .acked_g("store-2", 1, SEC + 600)
+            .acked_g(STORE, 2, 2 * SEC + 15);
+        // Received in the order of the shard: g1 between u1 and u2, g2 replayed after b1.
+        let obs = &mut b.history.devices[0].observations;
+        let g1 = Observed {
+            at: SEC + 510,
+            what: Observation::Event {
+                conn: 1,
+                id: Some(id("e1", 15)),
+                kind: "t".into(),
+                data: format!("g:{STORE}:1|pad"),
+            },
+        };
+        obs.insert(2, g1);
+        let after_b1 = obs
+            .iter()
+            .position(|o| o.to_string().contains("event b:1"))
+            .unwrap();
+        let g2 = Observed {
+            at: 2 * SEC + 45,
+            what: Observation::Event {
+                conn: 2,
+                id: Some(id("e1", 27)),
+                kind: "t".into(),
+                data: format!("g:{STORE}:2|pad"),
+            },
+        };
+        obs.insert(after_b1 + 1, g2);
+        b
+    }
+
+    #[test]
+    fn group_events_of_the_device_s_groups_are_checked_like_broadcasts() {
+        let report = clean_with_groups().check();
+        assert!(report.is_clean(), "{:?}", report.violations);
+        assert_eq!(report.events_checked, 6);
+        assert_eq!(report.group_events_checked, 2);
+        assert!(lagging(&clean_with_groups().history).is_empty());
+    }
+
+    #[test]
+    fn a_member_must_receive_every_acknowledged_event_of_its_groups() {
+        // Between two received events of the group.
+        let mut b = clean_with_groups();
+        b.acked_g(STORE, 3, 3 * SEC + 200)
+            .acked_g(STORE, 4, 3 * SEC + 300)
+            .got_g(3 * SEC + 310, STORE, 4, 34);
+        let report = b.check();
+        assert_eq!(kinds(&report), [ViolationKind::Gap]);
+        assert_eq!(report.violations[0].tokens, [Token::group(STORE, 3)]);
+        // At the end, with nothing of the group after it.
+        let mut b = clean_with_groups();
+        b.acked_g(STORE, 3, 4 * SEC);
+        let report = b.check();
+        assert_eq!(kinds(&report), [ViolationKind::Gap]);
+        assert_eq!(report.violations[0].tokens, [Token::group(STORE, 3)]);
+        assert_eq!(
+            lagging(&b.history),
+            [format!("{DEV}: waits for g:{STORE}:3")]
+        );
+        // Events of a group the device is not in are not awaited.
+        let mut b = clean_with_groups();
+        b.acked_g("store-2", 2, 4 * SEC);
+        assert!(b.check().is_clean());
+        // A resync announces the loss.
+        let mut b = clean_with_groups();
+        b.acked_g(STORE, 3, 3 * SEC + 200)
+            .acked_g(STORE, 4, 3 * SEC + 300)
+            .resync(3 * SEC + 305, "data_lost", &id("e1", 33))
+            .got_g(3 * SEC + 310, STORE, 4, 34);
+        assert!(b.check().is_clean());
+    }
+
+    #[test]
+    fn a_non_member_must_not_receive_a_group_event() {
+        let mut b = clean_with_groups();
+        b.got_g(3 * SEC + 20, "store-2", 1, 35);
+        let report = b.check();
+        assert_eq!(kinds(&report), [ViolationKind::Misrouted]);
+        assert_eq!(report.violations[0].tokens, [Token::group("store-2", 1)]);
+        assert_eq!(report.group_events_checked, 2, "not one of its groups");
+        // An event of a group nobody published to is a phantom, as any unknown token.
+        let mut b = clean_with_groups();
+        b.got_g(3 * SEC + 20, STORE, 9, 35);
+        assert_eq!(kinds(&b.check()), [ViolationKind::Phantom]);
+    }
+
+    #[test]
+    fn a_group_event_twice_in_a_segment_is_a_duplicate() {
+        let mut b = clean_with_groups();
+        b.got_g(3 * SEC + 20, STORE, 2, 35);
+        let report = b.check();
+        assert_eq!(kinds(&report), [ViolationKind::Duplicate]);
+        assert_eq!(report.violations[0].tokens, [Token::group(STORE, 2)]);
+        // Across a resync it is only counted.
+        let mut b = clean_with_groups();
+        b.resync(3 * SEC + 20, "data_lost", &id("e2", 0)).event(
+            3 * SEC + 30,
+            &format!("g:{STORE}:2"),
+            &id("e2", 5),
+        );
+        let report = b.check();
+        assert!(report.is_clean(), "{:?}", report.violations);
+        assert_eq!(report.duplicate_across_resync, 1);
+    }
+
+    #[test]
+    fn group_events_are_in_order_with_the_device_s_unicasts() {
+        // The copy on the device's shard comes before a unicast stored after it.
+        let mut b = Build::new();
+        b.connect(0, None)
+            .acked(1, SEC, 10)
+            .acked_g(STORE, 1, 2 * SEC)
+            .acked(2, 3 * SEC, 30)
+            .got(SEC + 10, 1, 10)
+            .got(3 * SEC + 10, 2, 30)
+            .got_g(3 * SEC + 20, STORE, 1, 20);
+        let report = b.check();
+        assert_eq!(kinds(&report), [ViolationKind::OutOfOrder]);
+        assert_eq!(report.violations[0].tokens, [Token::group(STORE, 1)]);
+        // Tokens of a group must increase, whatever the ids say.
+        let mut b = Build::new();
+        b.connect(0, None)
+            .acked_g(STORE, 1, SEC)
+            .acked_g(STORE, 2, 2 * SEC)
+            .got_g(2 * SEC + 10, STORE, 2, 20)
+            .got_g(2 * SEC + 20, STORE, 1, 30);
+        assert!(kinds(&b.check()).contains(&ViolationKind::OutOfOrder));
+        // The copy's id is not compared with the acknowledged one (shard 0's copy).
+        let mut b = Build::new();
+        b.connect(0, None)
+            .acked_g(STORE, 1, SEC)
+            .got_g(SEC + 10, STORE, 1, 7);
+        assert!(b.check().is_clean());
     }
 }

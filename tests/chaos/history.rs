@@ -97,12 +97,13 @@ impl fmt::Display for EventId {
     }
 }
 
-/// The sequentially published series a token belongs to: the unicasts of one device, or the
-/// broadcasts.
+/// The sequentially published series a token belongs to: the unicasts of one device, the
+/// broadcasts, or the events of one group.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 pub enum Series {
     Unicast(String),
     Broadcast,
+    Group(String),
 }
 
 impl fmt::Display for Series {
@@ -110,12 +111,14 @@ impl fmt::Display for Series {
         match self {
             Series::Unicast(device) => write!(f, "unicasts of {device}"),
             Series::Broadcast => write!(f, "broadcasts"),
+            Series::Group(group) => write!(f, "events of group {group}"),
         }
     }
 }
 
-/// The unique token an event carries in its `data` (`u:<device>:<n>` or `b:<n>`, optionally
-/// followed by `|` and padding). Within a series, `n` counts up from 1 in publishing order.
+/// The unique token an event carries in its `data` (`u:<device>:<n>`, `b:<n>` or
+/// `g:<group>:<n>`, optionally followed by `|` and padding). Within a series, `n` counts up from
+/// 1 in publishing order.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 pub struct Token {
     pub series: Series,
@@ -137,18 +140,28 @@ impl Token {
         }
     }
 
+    pub fn group(group: &str, n: u64) -> Token {
+        Token {
+            series: Series::Group(group.to_string()),
+            n,
+        }
+    }
+
     /// The token at the start of an event's data, if it has one.
     pub fn parse(data: &str) -> Option<Token> {
         let text = data.split('|').next().unwrap_or_default();
         if let Some(n) = text.strip_prefix("b:") {
             return Some(Token::broadcast(n.parse().ok()?));
         }
-        let rest = text.strip_prefix("u:")?;
-        let (device, n) = rest.rsplit_once(':')?;
-        if device.is_empty() {
+        let (make, rest): (fn(&str, u64) -> Token, &str) = match text.strip_prefix("u:") {
+            Some(rest) => (Token::unicast, rest),
+            None => (Token::group, text.strip_prefix("g:")?),
+        };
+        let (name, n) = rest.rsplit_once(':')?;
+        if name.is_empty() {
             return None;
         }
-        Some(Token::unicast(device, n.parse().ok()?))
+        Some(make(name, n.parse().ok()?))
     }
 }
 
@@ -157,6 +170,7 @@ impl fmt::Display for Token {
         match &self.series {
             Series::Unicast(device) => write!(f, "u:{device}:{}", self.n),
             Series::Broadcast => write!(f, "b:{}", self.n),
+            Series::Group(group) => write!(f, "g:{group}:{}", self.n),
         }
     }
 }
@@ -283,6 +297,10 @@ impl fmt::Display for Observed {
 pub struct DeviceHistory {
     pub device: String,
     pub shard: u32,
+    /// The groups it names on every connect (`?groups=`), fixed for the run. Histories written
+    /// before groups were checked have none.
+    #[serde(default)]
+    pub groups: Vec<String>,
     /// Its client behaviour (steady, flappy, slow, takeover) and producer, for reports.
     pub behaviour: String,
     pub observations: Vec<Observed>,
@@ -343,6 +361,12 @@ mod tests {
         assert_eq!(Token::parse("u:a:b:3"), Some(Token::unicast("a:b", 3)));
         assert_eq!(Token::parse("b:7"), Some(Token::broadcast(7)));
         assert_eq!(Token::parse("b:x"), None);
+        assert_eq!(
+            Token::parse("g:store-1:4|xx"),
+            Some(Token::group("store-1", 4))
+        );
+        assert_eq!(Token::parse("g::4"), None);
+        assert_eq!(Token::group("store-1", 4).to_string(), "g:store-1:4");
         assert_eq!(Token::parse("hello"), None);
         assert_eq!(Token::unicast("pos-1", 12).to_string(), "u:pos-1:12");
     }

@@ -192,6 +192,7 @@ pub async fn run(plan: &Plan) -> RunResult {
             Arc::new(Mutex::new(DeviceHistory {
                 device: names[i].clone(),
                 shard: faults::shard_of(&names[i]),
+                groups: Vec::new(),
                 behaviour: format!("{}, {}", behaviours[i].label(), producer_of(i)),
                 observations: Vec::new(),
             }))
