@@ -1,8 +1,8 @@
 //! Terminals following the client contract: each persists the id of the last event it
 //! processed as its cursor, sends it as `Last-Event-ID` on every connect, takes a resync's id as
 //! its cursor, and reconnects after any break after a short jittered delay (the stream's
-//! `retry:`, at most 1 s). What a device processes is recorded, in order, in its
-//! [`DeviceHistory`].
+//! `retry:`, at most 1 s). It names the same groups (`?groups=`) on every connect. What a device
+//! processes is recorded, in order, in its [`DeviceHistory`].
 //!
 //! Behaviours, chosen per device from the seed:
 //! - steady: reads all the time;
@@ -83,6 +83,8 @@ pub struct DeviceSpec {
     pub index: usize,
     pub device: String,
     pub behaviour: Behaviour,
+    /// Named on every connect, so that a resume replays the same groups' events.
+    pub groups: Vec<String>,
     pub seed: u64,
 }
 
@@ -137,6 +139,7 @@ impl Conn {
         number: u32,
         addr: SocketAddr,
         device: &str,
+        groups: &[String],
         cursor: Option<&str>,
         small_buffer: bool,
     ) -> Opened {
@@ -151,7 +154,11 @@ impl Conn {
             if let Some(cursor) = cursor {
                 headers.push(("Last-Event-ID", cursor));
             }
-            let request = encode_request(addr, "GET", &stream_path(device), &headers, None);
+            let mut path = stream_path(device);
+            if !groups.is_empty() {
+                path = format!("{path}?groups={}", groups.join(","));
+            }
+            let request = encode_request(addr, "GET", &path, &headers, None);
             stream.write_all(&request).await?;
             let mut leftover = Vec::new();
             let head = read_head(&mut stream, &mut leftover).await?;
@@ -282,7 +289,15 @@ impl Device {
         let number = self.connections;
         let small = self.spec.behaviour == Behaviour::Slow;
         let cursor = self.cursor.clone();
-        let opened = Conn::open(number, addr, &self.spec.device, cursor.as_deref(), small).await;
+        let opened = Conn::open(
+            number,
+            addr,
+            &self.spec.device,
+            &self.spec.groups,
+            cursor.as_deref(),
+            small,
+        )
+        .await;
         let status = match &opened {
             Opened::Stream(_) => Some(200),
             Opened::Refused(status) => Some(*status),

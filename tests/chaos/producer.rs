@@ -3,9 +3,12 @@
 //!
 //! - [`http_unicasts`]: the unicasts of a few devices through nginx or straight to a hub, as
 //!   single objects or batches (consecutive tokens of a device stay in order inside a batch),
-//!   every item with an idempotency key (its token). 503s, 5xx from nginx, transport errors,
-//!   timeouts and `incomplete` items make the outcome unknown; it retries with the same keys
-//!   until every item has a definite answer or the deadline passes.
+//!   and the events of the groups it owns (each group has one owner, so its series stays
+//!   sequential) mixed into the batches, at most one per group and batch: its copies are
+//!   appended per shard, so two of one group in a batch could be stored in either order where
+//!   one copy is retried. Every item has an idempotency key (its token). 503s, 5xx from nginx,
+//!   transport errors, timeouts and `incomplete` items make the outcome unknown; it retries
+//!   with the same keys until every item has a definite answer or the deadline passes.
 //! - [`broadcasts`]: one sequential broadcaster, the same way.
 //! - [`redis_external`]: `XADD <shard's key> * dev D type T data X` on a fresh connection per
 //!   try (following `MOVED` on a cluster). Redis has no idempotency for it, so it retries only
@@ -31,6 +34,9 @@ use super::history::{Attempt, Clock, EventId, Outcome, Pos, Token, Via};
 use crate::support::http;
 use crate::support::redis::{redirect_target, RespClient, RespValue};
 
+/// Padding of group events: they reach several devices, so they stay small like broadcasts,
+/// whoever publishes them.
+const GROUP_PAD: (usize, usize) = (0, 200);
 /// How long one token (or batch) is retried before its outcome is left as it is.
 const ATTEMPT_DEADLINE: Duration = Duration::from_secs(10);
 /// One HTTP try; longer than the hub's own backend timeouts, so the hub answers first.
@@ -255,23 +261,29 @@ fn take_results(name: &str, response: &http::HttpResponse, open: &[usize], items
 }
 
 /// Publishes the unicasts of `devices` over HTTP at about `rate` events per second per device,
-/// as single items and batches of up to four, until the run stops.
+/// as single items and batches of up to four, and the events of `groups` (which no other
+/// producer publishes to) at about `group_rate` per second per group, each at a random place in
+/// a batch, until the run stops.
 pub async fn http_unicasts(
     ctx: Ctx,
     devices: Vec<String>,
     seed: u64,
     rate: f64,
     pad: (usize, usize),
+    groups: Vec<String>,
+    group_rate: f64,
 ) {
     let mut rng = StdRng::seed_from_u64(seed);
     let mut next = vec![1u64; devices.len()];
+    let mut next_of_group = vec![1u64; groups.len()];
     while !ctx.stopping() {
         let size = if rng.random_bool(0.5) {
             1
         } else {
             rng.random_range(2..=4)
         };
-        let mut items = Vec::with_capacity(size);
+        let mean = Duration::from_secs_f64(size as f64 / (rate * devices.len() as f64));
+        let mut items = Vec::with_capacity(size + groups.len());
         for _ in 0..size {
             let d = rng.random_range(0..devices.len());
             let token = Token::unicast(&devices[d], next[d]);
@@ -290,8 +302,32 @@ pub async fn http_unicasts(
                 answers: Vec::new(),
             });
         }
+        for (g, group) in groups.iter().enumerate() {
+            if !rng.random_bool((group_rate * mean.as_secs_f64()).min(1.0)) {
+                continue;
+            }
+            let token = Token::group(group, next_of_group[g]);
+            next_of_group[g] += 1;
+            let data = payload(&token, &mut rng, GROUP_PAD);
+            let body = json!({
+                "group": group, "type": "chaos.group", "data": data, "key": token.to_string(),
+            });
+            let index = ctx.begin(token, Via::Http);
+            // Anywhere among the unicasts, whose order stays as it is.
+            let at = rng.random_range(0..=items.len());
+            items.insert(
+                at,
+                Item {
+                    index,
+                    body,
+                    done: None,
+                    maybe: false,
+                    tries: 0,
+                    answers: Vec::new(),
+                },
+            );
+        }
         publish_http(&ctx, &mut rng, &mut items).await;
-        let mean = Duration::from_secs_f64(size as f64 / (rate * devices.len() as f64));
         ctx.pace(&mut rng, mean).await;
     }
 }

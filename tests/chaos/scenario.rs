@@ -45,6 +45,8 @@ pub struct Plan {
     pub rate: f64,
     pub slow_rate: f64,
     pub broadcast_rate: f64,
+    /// Events per second per group ([`memberships`]).
+    pub group_rate: f64,
 }
 
 impl Plan {
@@ -65,6 +67,7 @@ impl Plan {
             rate: 3.0,
             slow_rate: 12.0,
             broadcast_rate: 3.0,
+            group_rate: 0.5,
         }
     }
 }
@@ -91,6 +94,14 @@ pub struct RunResult {
     /// Warnings and errors from the hubs' logs.
     pub hub_warnings: String,
     pub elapsed: Duration,
+}
+
+/// The arguments of one [`producer::http_unicasts`] but its groups.
+struct HttpProducer {
+    devices: Vec<String>,
+    seed: u64,
+    rate: f64,
+    pad: (usize, usize),
 }
 
 /// Padding sizes of events (slow readers get bigger ones, to fill their buffers).
@@ -123,6 +134,30 @@ async fn join_all(handles: Vec<JoinHandle<()>>, within: Duration) {
             abort.abort();
         }
     }
+}
+
+/// Stores and regions: every device is in the store of its index modulo [`STORES`] and about
+/// half of them in one of [`REGIONS`] regions as well, so that every group has members on
+/// several shards and non-members beside them on the same shards.
+const STORES: usize = 4;
+const REGIONS: usize = 2;
+
+/// Each device's groups, fixed for the run, and every group (stores first).
+fn memberships(rng: &mut StdRng, n: usize) -> (Vec<Vec<String>>, Vec<String>) {
+    let per_device = (0..n)
+        .map(|i| {
+            let mut groups = vec![format!("store-{}", i % STORES)];
+            if rng.random_bool(0.5) {
+                groups.push(format!("region-{}", rng.random_range(0..REGIONS)));
+            }
+            groups
+        })
+        .collect();
+    let all = (0..STORES)
+        .map(|s| format!("store-{s}"))
+        .chain((0..REGIONS).map(|r| format!("region-{r}")))
+        .collect();
+    (per_device, all)
 }
 
 /// `n` device names from `pos-0`, `pos-1`, ..., taken round by round: in each round of
@@ -173,6 +208,7 @@ pub async fn run(plan: &Plan) -> RunResult {
             }
         })
         .collect();
+    let (groups, all_groups) = memberships(&mut rng, n);
     let mut order: Vec<usize> = (0..n).collect();
     order.shuffle(&mut rng);
     let external: Vec<usize> = order[..plan.external.min(n)].to_vec();
@@ -192,7 +228,7 @@ pub async fn run(plan: &Plan) -> RunResult {
             Arc::new(Mutex::new(DeviceHistory {
                 device: names[i].clone(),
                 shard: faults::shard_of(&names[i]),
-                groups: Vec::new(),
+                groups: groups[i].clone(),
                 behaviour: format!("{}, {}", behaviours[i].label(), producer_of(i)),
                 observations: Vec::new(),
             }))
@@ -220,6 +256,7 @@ pub async fn run(plan: &Plan) -> RunResult {
             index: i,
             device: names[i].clone(),
             behaviour: behaviours[i],
+            groups: groups[i].clone(),
             seed: rng.random(),
         };
         device_tasks.push(tokio::spawn(device::run(
@@ -273,6 +310,8 @@ pub async fn run(plan: &Plan) -> RunResult {
         endpoints: endpoints.clone(),
     };
     let mut producer_tasks = Vec::new();
+    // Started once each knows the groups it owns.
+    let mut http: Vec<HttpProducer> = Vec::new();
     let mut http_pairs: Vec<String> = Vec::new();
     for &i in &order {
         let name = names[i].clone();
@@ -313,33 +352,49 @@ pub async fn run(plan: &Plan) -> RunResult {
             };
             producer_tasks.push(task);
         } else if slow {
-            producer_tasks.push(tokio::spawn(producer::http_unicasts(
-                ctx.clone(),
-                vec![name],
+            http.push(HttpProducer {
+                devices: vec![name],
                 seed,
                 rate,
                 pad,
-            )));
+            });
         } else {
             http_pairs.push(name);
             if http_pairs.len() == 2 {
-                producer_tasks.push(tokio::spawn(producer::http_unicasts(
-                    ctx.clone(),
-                    std::mem::take(&mut http_pairs),
+                http.push(HttpProducer {
+                    devices: std::mem::take(&mut http_pairs),
                     seed,
                     rate,
                     pad,
-                )));
+                });
             }
         }
     }
     if !http_pairs.is_empty() {
+        http.push(HttpProducer {
+            devices: http_pairs,
+            seed: rng.random(),
+            rate: plan.rate,
+            pad: PAD,
+        });
+    }
+    // One owner per group keeps its series sequential; spread, so that group events ride in
+    // batches of several producers.
+    let mut owned: Vec<Vec<String>> = vec![Vec::new(); http.len()];
+    for (g, group) in all_groups.into_iter().enumerate() {
+        if !http.is_empty() {
+            owned[g % http.len()].push(group);
+        }
+    }
+    for (p, groups) in http.into_iter().zip(owned) {
         producer_tasks.push(tokio::spawn(producer::http_unicasts(
             ctx.clone(),
-            http_pairs,
-            rng.random(),
-            plan.rate,
-            PAD,
+            p.devices,
+            p.seed,
+            p.rate,
+            p.pad,
+            groups,
+            plan.group_rate,
         )));
     }
     producer_tasks.push(tokio::spawn(producer::broadcasts(
