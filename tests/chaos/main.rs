@@ -1,8 +1,14 @@
 //! Fault-injection checker ("our own Jepsen"): real hubs behind nginx on a real Redis or NATS,
 //! devices that follow the client contract, sequential producers, and faults from a seeded
 //! schedule; then a pure checker ([`checker::check`]) compares what every device processed with
-//! what the producers were told. The promise it checks: every event of a device once and in
-//! order, or an explicit `resync` before anything after the gap.
+//! what the producers were told. The promise it checks: every event of a device (its unicasts,
+//! the broadcasts and the events of its groups) once and in order, or an explicit `resync`
+//! before anything after the gap; and no event of a group to a device outside it.
+//!
+//! Groups: every device names its store (`store-0` to `store-3`) and, for about half of them, a
+//! region (`region-0`, `region-1`) in `?groups=` on every connect, fixed per device by the seed;
+//! the HTTP producers mix group events into their batches beside the unicasts (one producer owns
+//! each group, so that its series stays sequential). The external producers write unicasts only.
 //!
 //! Topologies and their fault kinds ([`faults`]; hub SIGKILL and hub drain on every topology):
 //! - `redis`: one Redis with AOF: restart from the AOF, restart without files, rollback to an
@@ -21,11 +27,12 @@
 //!   (the cluster runs: two failovers or node kills, and no hub faults), 2 to 3.5 s apart; they
 //!   assert that there is no violation, and that the run did its work: every scheduled fault
 //!   injected, a `resync` after each fault that loses data, a stream opened by every device, and
-//!   floors of publishes acknowledged, events checked and streams opened ([`Floors`]), so that
-//!   a system that refuses everything fails. `cargo test --test chaos -- --nocapture` runs them one
-//!   after the other (plus the unit tests) in about 95 s on the 2-core machine: `redis` 30 s,
-//!   `redis-cluster` 23 s (2 s to start the cluster), `nats` 24 s, `nats-cluster` 19 s (4 s to
-//!   start); up to 10 s more each if devices miss events (the quiet period).
+//!   floors of publishes acknowledged, events checked, group events checked and streams opened
+//!   ([`Floors`]), so that a system that refuses everything, or a run whose groups deliver
+//!   nothing, fails. `cargo test --test chaos -- --nocapture` runs them one after the other (plus
+//!   the unit tests) in about 95 s on the 2-core machine: `redis` 29 s, `redis-cluster` 22 s (2 s
+//!   to start the cluster), `nats` 23 s, `nats-cluster` 20 s (4 s to start); up to 10 s more each
+//!   if devices miss events (the quiet period).
 //! - `long_run` (ignored): every topology in turn, in rounds, each segment a fresh system:
 //!   `POSTHORN_CHAOS_MINUTES` (default 10; the minutes of faults, split by a weight per
 //!   topology and over `round(minutes / 12)` rounds), `POSTHORN_CHAOS_SEED` (default: drawn
@@ -77,26 +84,32 @@ const SHORT_NATS_CLUSTER_SEED: u64 = 0x00c4_a05e_0004;
 // open one at the start and only some reconnect. Publishing is paced, so a loaded machine
 // lowers these little; hubs that refuse every publish leave about none acknowledged (a test
 // run with every event over `limits.max_event_bytes`: 0, and 284 events checked, all from the
-// external producers).
+// external producers). Group events checked, at about a quarter of one run with groups: `redis`
+// 288, `nats` 252, `redis-cluster` 154, `nats-cluster` 150; a run that publishes no group event,
+// or whose members receive none, falls below them.
 const SHORT_REDIS_FLOORS: Floors = Floors {
     acked: 500,
     checked: 800,
     streams: 24,
+    groups: 70,
 };
 const SHORT_NATS_FLOORS: Floors = Floors {
     acked: 400,
     checked: 600,
     streams: 24,
+    groups: 60,
 };
 const SHORT_REDIS_CLUSTER_FLOORS: Floors = Floors {
     acked: 250,
     checked: 400,
     streams: 24,
+    groups: 35,
 };
 const SHORT_NATS_CLUSTER_FLOORS: Floors = Floors {
     acked: 150,
     checked: 250,
     streams: 24,
+    groups: 35,
 };
 
 /// The scenarios share two cores with everything they start: one at a time.
@@ -204,6 +217,8 @@ struct Floors {
     acked: u64,
     /// Events devices processed that the checker verified.
     checked: u64,
+    /// Of those, events of the devices' groups: without them groups go unchecked.
+    groups: u64,
     /// Stream requests answered 200, over all devices and reconnects.
     streams: u64,
 }
@@ -273,6 +288,12 @@ fn shortfalls(plan: &Plan, result: &RunResult, floors: Floors) -> Vec<String> {
             report.events_checked, floors.checked
         ));
     }
+    if report.group_events_checked < floors.groups {
+        missing.push(format!(
+            "{} group events checked, expected {} or more",
+            report.group_events_checked, floors.groups
+        ));
+    }
     let opened = |device: &history::DeviceHistory| {
         device
             .observations
@@ -290,9 +311,14 @@ fn shortfalls(plan: &Plan, result: &RunResult, floors: Floors) -> Vec<String> {
     };
     let streams: u64 = history.devices.iter().map(opened).sum();
     println!(
-        "short run floors: acked by the hubs {acked} (floor {}), checked {} (floor {}), streams \
-         opened {streams} (floor {})",
-        floors.acked, report.events_checked, floors.checked, floors.streams
+        "short run floors: acked by the hubs {acked} (floor {}), checked {} (floor {}), group \
+         events checked {} (floor {}), streams opened {streams} (floor {})",
+        floors.acked,
+        report.events_checked,
+        floors.checked,
+        report.group_events_checked,
+        floors.groups,
+        floors.streams
     );
     if streams < floors.streams {
         missing.push(format!(
