@@ -1,5 +1,6 @@
 //! `fanout`: N reading connections, events published at a fixed rate (unicast round robin over
-//! the devices, or broadcasts that every connection receives), then a settle time for
+//! the devices, group events round robin over the groups of ten that `--groups` makes the
+//! streams join, or broadcasts that every connection receives), then a settle time for
 //! stragglers. Reports deliveries per second, end-to-end latency, and exact loss, duplicates,
 //! order violations and misrouting. Also home of the paced publisher and the reader that the
 //! `slow` and `resume` scenarios share.
@@ -16,12 +17,13 @@ use serde_json::json;
 use tokio::sync::watch;
 
 use super::{
-    emit, failed, payload,
+    emit, failed, group_of,
+    payload::{self, Target},
     probe::{CpuMeter, CpuShare},
     publisher::{Outgoing, Publisher},
     tally::{Latencies, LatencySummary, Tally, Totals},
     wire::{self, SseStream},
-    Common, LoadtestError, Mode, PublishOptions, Run,
+    Common, LoadtestError, Mode, Peer, PublishOptions, Run, GROUP_SIZE,
 };
 
 #[derive(Debug, clap::Args)]
@@ -32,8 +34,8 @@ pub struct FanoutArgs {
     pub publish: PublishOptions,
     #[arg(long, value_enum, default_value = "unicast")]
     pub mode: Mode,
-    /// Events per second: unicast events in total, or broadcasts (each one delivery per
-    /// connection).
+    /// Events per second: unicast events in total, group events in total (each one delivery
+    /// per member), or broadcasts (each one delivery per connection).
     #[arg(long, default_value_t = 1000.0)]
     pub rate: f64,
     /// Payload bytes per event.
@@ -46,6 +48,12 @@ pub struct FanoutArgs {
     pub settle: Duration,
 }
 
+impl FanoutArgs {
+    pub fn plan(&self, run: &Run) -> Result<Plan, LoadtestError> {
+        Plan::new(self.mode, self.rate, self.duration, self.size, run)
+    }
+}
+
 /// A publishing plan: `total` events at `rate` per second.
 #[derive(Debug, Clone, Copy)]
 pub struct Plan {
@@ -54,6 +62,8 @@ pub struct Plan {
     pub total: u64,
     pub size: usize,
     pub devices: u64,
+    /// The groups of ten the streams joined (`g1-0` ..), 0 without `--groups`.
+    pub groups: u64,
 }
 
 impl Plan {
@@ -62,8 +72,26 @@ impl Plan {
         rate: f64,
         duration: Duration,
         size: usize,
-        devices: usize,
+        run: &Run,
     ) -> Result<Self, LoadtestError> {
+        let devices = run.devices.len();
+        let groups = if run.groups > 0 {
+            devices.div_ceil(GROUP_SIZE)
+        } else {
+            0
+        };
+        if mode == Mode::Group && run.peer != Peer::Posthorn {
+            return Err(LoadtestError::Usage(
+                "--mode group is posthorn's (nchan has no groups)".into(),
+            ));
+        }
+        if mode == Mode::Group && groups == 0 {
+            // Without them no stream is a member, and every group event would reach nobody.
+            return Err(LoadtestError::Usage(
+                "--mode group publishes to the groups the streams join: give --groups 1 or more"
+                    .into(),
+            ));
+        }
         if !(rate > 0.0 && rate.is_finite()) {
             return Err(LoadtestError::Usage("--rate must be above 0".into()));
         }
@@ -80,6 +108,7 @@ impl Plan {
             total,
             size,
             devices: devices as u64,
+            groups: groups as u64,
         };
         super::check_events(plan.deliveries())?;
         Ok(plan)
@@ -89,9 +118,11 @@ impl Plan {
     pub fn expected(&self, device: u64) -> u64 {
         match self.mode {
             Mode::Broadcast => self.total,
-            Mode::Unicast => {
-                self.total / self.devices + u64::from(device < self.total % self.devices)
-            }
+            Mode::Unicast => round_robin_share(self.total, self.devices, device),
+            Mode::Group => match self.group(device) {
+                Some(group) => round_robin_share(self.total, self.groups, group),
+                None => 0,
+            },
         }
     }
 
@@ -99,24 +130,48 @@ impl Plan {
         match self.mode {
             Mode::Broadcast => self.total * self.devices,
             Mode::Unicast => self.total,
+            Mode::Group => (0..self.groups)
+                .map(|group| {
+                    let members = self.members(group);
+                    round_robin_share(self.total, self.groups, group)
+                        * (members.end - members.start)
+                })
+                .sum(),
         }
     }
 
-    fn event(&self, index: u64, sent_us: u64) -> Outgoing {
-        let (device, seq) = match self.mode {
-            Mode::Broadcast => (None, index),
-            Mode::Unicast => (Some(index % self.devices), index / self.devices),
+    /// The group of ten device `device` joined, if the streams joined groups.
+    pub fn group(&self, device: u64) -> Option<u64> {
+        (self.groups > 0).then(|| group_of(device as usize, 1) as u64)
+    }
+
+    /// The devices of group `group`: ten, or fewer in the last group.
+    pub fn members(&self, group: u64) -> std::ops::Range<u64> {
+        let size = GROUP_SIZE as u64;
+        (group * size).min(self.devices)..((group + 1) * size).min(self.devices)
+    }
+
+    pub(super) fn event(&self, index: u64, sent_us: u64) -> Outgoing {
+        let (target, seq) = match self.mode {
+            Mode::Broadcast => (Target::Broadcast, index),
+            Mode::Unicast => (Target::Device(index % self.devices), index / self.devices),
+            Mode::Group => (Target::Group(index % self.groups), index / self.groups),
         };
         let stamp = payload::Stamp {
             seq,
             sent_us,
-            target: device,
+            target,
         };
         Outgoing {
-            device: device.map(|d| d as usize),
+            target,
             data: stamp.encode(self.size),
         }
     }
+}
+
+/// How many of `total` events dealt round robin over `targets` go to target `target`.
+fn round_robin_share(total: u64, targets: u64, target: u64) -> u64 {
+    total / targets + u64::from(target < total % targets)
 }
 
 #[derive(Debug, Clone, Copy, serde::Serialize)]
@@ -190,11 +245,12 @@ pub struct Followed {
 pub async fn follow(
     mut stream: SseStream,
     device: usize,
+    group: Option<u64>,
     expected: u64,
     shared: Arc<Readers>,
     mut stop: watch::Receiver<bool>,
 ) -> Followed {
-    let mut tally = Tally::new(device as u64, expected);
+    let mut tally = Tally::new(device as u64, group, expected);
     // The stop signal is awaited once around the whole loop, not once per read: re-registering
     // with the shared watch channel on every read was a tenth of the tool's CPU.
     let reading = async {
@@ -270,6 +326,7 @@ impl ReaderSet {
                 tokio::spawn(follow(
                     stream,
                     device,
+                    plan.group(device as u64),
                     plan.expected(device as u64),
                     shared.clone(),
                     stop_rx.clone(),
@@ -342,7 +399,7 @@ impl ReaderSet {
 
 pub async fn run(run: &Run, args: &FanoutArgs) -> Result<(), LoadtestError> {
     let n = run.devices.len();
-    let plan = Plan::new(args.mode, args.rate, args.duration, args.size, n)?;
+    let plan = args.plan(run)?;
     let opening = Instant::now();
     let streams = run.open_all(None).await?;
     // Opened after the streams: a server closes a connection that sends no request for a few
@@ -372,12 +429,18 @@ pub async fn run(run: &Run, args: &FanoutArgs) -> Result<(), LoadtestError> {
     let last = shared.last_delivery_us.load(Ordering::Relaxed);
     let delivery_seconds = (last.saturating_sub(first_publish_us) as f64 / 1e6).max(1e-3);
     let delivered_per_second = totals.distinct as f64 / delivery_seconds;
-    let mode = match plan.mode {
-        Mode::Unicast => "unicast",
-        Mode::Broadcast => "broadcast",
+    let mode = plan.mode.name();
+    let recipients = match plan.mode {
+        Mode::Group => format!(" (round robin over {} groups of {GROUP_SIZE})", plan.groups),
+        Mode::Unicast | Mode::Broadcast => String::new(),
     };
+    // Per delivery, so that modes with the same deliveries per second compare directly.
+    let server_cpu_us_per_delivery = cpu
+        .server_percent
+        .filter(|_| totals.distinct > 0)
+        .map(|percent| percent / 100.0 * cpu.wall_seconds * 1e6 / totals.distinct as f64);
     println!(
-        "fanout: {} {mode} events of {} B at {}/s over {n} connections ({:?}): {}/{} delivered \
+        "fanout: {} {mode} events{recipients} of {} B at {}/s over {n} connections ({:?}): {}/{} delivered \
          ({} lost, {} duplicates, {} out of order, {} misrouted, {closed} connections closed by \
          the server, {resyncs} resyncs): {delivered_per_second:.0} deliveries/s; latency p50 \
          {:.2} ms, p99 {:.2} ms, p99.9 {:.2} ms, max {:.2} ms; publishing took {:.2} s (at \
@@ -404,7 +467,10 @@ pub async fn run(run: &Run, args: &FanoutArgs) -> Result<(), LoadtestError> {
             "NOT LOSSLESS"
         }
     );
-    println!("fanout: {cpu}");
+    match server_cpu_us_per_delivery {
+        Some(us) => println!("fanout: {cpu}; server {us:.2} µs of CPU per delivery"),
+        None => println!("fanout: {cpu}"),
+    }
     if let Some(path) = &run.plot {
         let title = format!(
             "{:?} fanout: {mode} {}/s x {} B, {n} connections",
@@ -418,6 +484,7 @@ pub async fn run(run: &Run, args: &FanoutArgs) -> Result<(), LoadtestError> {
         "peer": run.peer,
         "connections": n,
         "mode": plan.mode,
+        "group_count": plan.groups,
         "rate": plan.rate,
         "size": plan.size,
         "published": published,
@@ -428,6 +495,7 @@ pub async fn run(run: &Run, args: &FanoutArgs) -> Result<(), LoadtestError> {
         "delivered_per_second": delivered_per_second,
         "latency": latency,
         "cpu": cpu,
+        "server_cpu_us_per_delivery": server_cpu_us_per_delivery,
     }));
     Ok(())
 }

@@ -9,7 +9,8 @@ use std::time::{Duration, Instant};
 use serde_json::json;
 
 use super::{
-    emit, failed, payload,
+    emit, failed,
+    payload::{self, Target},
     probe::{CpuMeter, Memory},
     publisher::Outgoing,
     wire, Common, LoadtestError, Mode, PublishOptions, Run,
@@ -42,6 +43,11 @@ pub async fn run(run: &Run, args: &IdleArgs) -> Result<(), LoadtestError> {
     let fill_events = match args.fill_mode {
         Mode::Unicast => args.fill * n as u64,
         Mode::Broadcast => args.fill,
+        Mode::Group => {
+            return Err(LoadtestError::Usage(
+                "--fill-mode group is not supported: fill with unicast or broadcast".into(),
+            ))
+        }
     };
     super::check_events(fill_events)?;
     let before = run.server.memory().await;
@@ -75,16 +81,17 @@ pub async fn run(run: &Run, args: &IdleArgs) -> Result<(), LoadtestError> {
             let sent_us = payload::now_us();
             let batch: Vec<Outgoing> = (sent..upto)
                 .map(|i| {
-                    let (device, seq) = match args.fill_mode {
-                        Mode::Unicast => (Some(i % n as u64), i / n as u64),
-                        Mode::Broadcast => (None, i),
+                    let (target, seq) = match args.fill_mode {
+                        Mode::Unicast => (Target::Device(i % n as u64), i / n as u64),
+                        Mode::Broadcast => (Target::Broadcast, i),
+                        Mode::Group => unreachable!("refused above"),
                     };
                     Outgoing {
-                        device: device.map(|d| d as usize),
+                        target,
                         data: payload::Stamp {
                             seq,
                             sent_us,
-                            target: device,
+                            target,
                         }
                         .encode(args.size),
                     }

@@ -39,6 +39,18 @@ const MAX_CONNECTIONS: usize = 100_000;
 const MAX_EVENTS: u64 = 100_000_000;
 /// Clients per source address: below the ~28k ephemeral ports of one address.
 const CLIENTS_PER_SOURCE: usize = 20_000;
+/// Members of a group of level 1 (`--groups`); each level's groups are ten times the size of the
+/// level's below.
+const GROUP_SIZE: usize = 10;
+
+/// The index of the group of `level` (1, 2, ...) that device `device` joins.
+fn group_of(device: usize, level: u32) -> usize {
+    device / GROUP_SIZE.pow(level)
+}
+
+fn group_name(level: u32, index: usize) -> String {
+    format!("g{level}-{index}")
+}
 
 #[derive(Debug, clap::Args)]
 pub struct LoadtestArgs {
@@ -52,7 +64,8 @@ pub enum Scenario {
     Idle(idle::IdleArgs),
     /// N clients reconnect at once with their cursors: accepted connections per second.
     Storm(storm::StormArgs),
-    /// Events at a fixed rate (unicast or broadcast, size S): delivered/s, latency, loss.
+    /// Events at a fixed rate (unicast, to groups of ten, or broadcast, size S): delivered/s,
+    /// latency, loss.
     Fanout(fanout::FanoutArgs),
     /// A fraction of the clients never read: evictions, their timing, server memory, and what
     /// the healthy clients received.
@@ -204,6 +217,18 @@ pub enum PublishVia {
 pub enum Mode {
     Unicast,
     Broadcast,
+    /// To one group of ten (`g1-j`, with `--groups`), round robin over the groups.
+    Group,
+}
+
+impl Mode {
+    pub fn name(self) -> &'static str {
+        match self {
+            Mode::Unicast => "unicast",
+            Mode::Broadcast => "broadcast",
+            Mode::Group => "group",
+        }
+    }
 }
 
 #[derive(Debug, Error)]
@@ -366,7 +391,7 @@ impl Run {
         match self.peer {
             Peer::Posthorn if self.groups > 0 => {
                 let groups: Vec<String> = (1..=self.groups)
-                    .map(|level| format!("g{level}-{}", device / 10usize.pow(level)))
+                    .map(|level| group_name(level, group_of(device, level)))
                     .collect();
                 format!(
                     "/v1/devices/{}/events?groups={}",
@@ -487,11 +512,15 @@ impl Run {
         let data = payload::Stamp {
             seq: 0,
             sent_us: payload::now_us(),
-            target: None,
+            target: payload::Target::Broadcast,
         }
         .encode(payload::MIN_SIZE);
+        let broadcast = publisher::Outgoing {
+            target: payload::Target::Broadcast,
+            data,
+        };
         publisher
-            .publish(&self.devices, &[publisher::Outgoing { device: None, data }])
+            .publish(&self.devices, &[broadcast])
             .await
             .map_err(failed("publishing the cursor broadcast failed"))?;
         tokio::time::timeout(
@@ -701,5 +730,82 @@ mod tests {
             .err()
             .unwrap();
         assert!(refused.to_string().contains("ignores"), "{refused}");
+    }
+
+    fn fanout(args: &str) -> Result<(Run, fanout::Plan), LoadtestError> {
+        #[derive(clap::Parser)]
+        struct Options {
+            #[command(flatten)]
+            fanout: fanout::FanoutArgs,
+        }
+        let options = <Options as clap::Parser>::try_parse_from(
+            std::iter::once("fanout").chain(args.split_whitespace()),
+        )
+        .unwrap();
+        let run = Run::new(&options.fanout.common)?;
+        let plan = options.fanout.plan(&run)?;
+        Ok((run, plan))
+    }
+
+    /// Group events go round robin over the groups of ten; each reaches exactly the devices
+    /// whose streams joined that group, the last group being short when N is not a multiple
+    /// of ten.
+    #[test]
+    fn group_events_go_to_the_members_of_one_group() {
+        let (run, plan) = fanout("-n 25 --groups 2 --mode group --rate 10 --duration 1s").unwrap();
+        assert_eq!((plan.total, plan.groups), (10, 3));
+        for index in 0..plan.total {
+            let event = plan.event(index, 7);
+            let stamp = payload::Stamp::parse(event.data.as_bytes()).unwrap();
+            assert_eq!(
+                event.target,
+                payload::Target::Group(index % 3),
+                "event {index}"
+            );
+            assert_eq!(stamp.target, event.target);
+            assert_eq!(
+                stamp.seq,
+                index / 3,
+                "per group, so each member sees 0, 1, 2, ..."
+            );
+            let name = format!("g1-{}", index % 3);
+            let joined: Vec<u64> = (0..25)
+                .filter(|&device| {
+                    let path = run.stream_path(device);
+                    let groups = path.split_once("?groups=").unwrap().1;
+                    groups.split(',').any(|group| group == name)
+                })
+                .map(|device| device as u64)
+                .collect();
+            let members: Vec<u64> = plan.members(index % 3).collect();
+            assert_eq!(joined, members, "{name}");
+            for &device in &members {
+                assert_eq!(plan.group(device), Some(index % 3));
+            }
+        }
+        // Group 0 has events 0, 3, 6, 9; groups 1 and 2 three each; group 2 has 5 members.
+        assert_eq!(plan.expected(0), 4);
+        assert_eq!(plan.expected(19), 3);
+        assert_eq!(plan.expected(24), 3);
+        assert_eq!(plan.members(2), 20..25);
+        assert_eq!(plan.deliveries(), 4 * 10 + 3 * 10 + 3 * 5);
+        let expected: u64 = (0..25).map(|device| plan.expected(device)).sum();
+        assert_eq!(expected, plan.deliveries());
+    }
+
+    /// `--mode group` publishes to the groups `--groups` joins: without it, or to nchan, it is a
+    /// usage error before anything connects.
+    #[test]
+    fn group_mode_needs_groups() {
+        let refused = fanout("--mode group").err().unwrap();
+        assert!(matches!(refused, LoadtestError::Usage(_)), "{refused}");
+        assert!(refused.to_string().contains("--groups"), "{refused}");
+        let refused = fanout("--mode group --peer nchan").err().unwrap();
+        assert!(matches!(refused, LoadtestError::Usage(_)), "{refused}");
+        assert!(refused.to_string().contains("nchan"), "{refused}");
+        assert!(fanout("--mode group --groups 1").is_ok());
+        let (_, plan) = fanout("--mode unicast --groups 1").unwrap();
+        assert_eq!(plan.deliveries(), plan.total);
+        assert!(fanout("--mode broadcast").is_ok());
     }
 }

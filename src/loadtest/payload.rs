@@ -1,7 +1,8 @@
 //! The load-test event payload: `{seq} {sent_us} {target} {padding}`, plain ASCII so that it
 //! needs no JSON escaping and any SSE server carries it unchanged. `seq` counts per device
-//! (unicast) or per run (broadcast), `sent_us` is the wall clock in microseconds when the
-//! publisher built the batch, `target` is the device index or `b` for a broadcast; the padding
+//! (unicast), per group (group events) or per run (broadcast), `sent_us` is the wall clock in
+//! microseconds when the publisher built the batch, `target` is the device index, `g` and the
+//! group's index for a group event (`g7` for `g1-7`), or `b` for a broadcast; the padding
 //! brings the payload to the requested size. Loss, duplicates, order and misrouting are
 //! counted exactly from these fields.
 
@@ -14,15 +15,25 @@ pub const MIN_SIZE: usize = 48;
 pub struct Stamp {
     pub seq: u64,
     pub sent_us: u64,
-    /// Device index, or `None` for a broadcast.
-    pub target: Option<u64>,
+    pub target: Target,
+}
+
+/// Whom an event is for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Target {
+    /// The device of this index.
+    Device(u64),
+    /// Every member of the group of ten of this index (`g1-<index>`, see `Run::stream_path`).
+    Group(u64),
+    Broadcast,
 }
 
 impl Stamp {
     pub fn encode(&self, size: usize) -> String {
         let mut text = match self.target {
-            Some(device) => format!("{} {} {device} ", self.seq, self.sent_us),
-            None => format!("{} {} b ", self.seq, self.sent_us),
+            Target::Device(device) => format!("{} {} {device} ", self.seq, self.sent_us),
+            Target::Group(group) => format!("{} {} g{group} ", self.seq, self.sent_us),
+            Target::Broadcast => format!("{} {} b ", self.seq, self.sent_us),
         };
         let pad = size.saturating_sub(text.len());
         text.extend(std::iter::repeat_n('x', pad));
@@ -35,8 +46,9 @@ impl Stamp {
         let seq = number(fields.next()?)?;
         let sent_us = number(fields.next()?)?;
         let target = match fields.next()? {
-            b"b" => None,
-            device => Some(number(device)?),
+            b"b" => Target::Broadcast,
+            [b'g', group @ ..] => Target::Group(number(group)?),
+            device => Target::Device(number(device)?),
         };
         Some(Stamp {
             seq,
@@ -68,7 +80,7 @@ mod tests {
 
     #[test]
     fn round_trip_with_padding() {
-        for target in [Some(17), None] {
+        for target in [Target::Device(17), Target::Group(3), Target::Broadcast] {
             let stamp = Stamp {
                 seq: 42,
                 sent_us: 1_764_000_000_000_000,
@@ -88,6 +100,8 @@ mod tests {
             b"1 2",
             b"1 x 3 ",
             b"1 2 3x ",
+            b"1 2 g ",
+            b"1 2 gx ",
         ] {
             assert_eq!(
                 Stamp::parse(data),

@@ -8,7 +8,7 @@ use std::io;
 
 use tokio::io::AsyncWriteExt;
 
-use super::{wire, Endpoint, Peer};
+use super::{payload::Target, wire, Endpoint, Peer};
 
 /// Connections that pipelined requests are spread over (nchan's, and posthorn's with a set
 /// number of events per request).
@@ -16,9 +16,9 @@ const PIPELINED_CONNECTIONS: usize = 8;
 /// posthorn's default `limits.max_batch`.
 pub const POSTHORN_MAX_BATCH: usize = 1000;
 
-/// One event: to a device (index into the run's device names) or a broadcast.
+/// One event: to a device (index into the run's device names), a group or all.
 pub struct Outgoing {
-    pub device: Option<usize>,
+    pub target: Target,
     pub data: String,
 }
 
@@ -199,13 +199,18 @@ fn posthorn_request(
             body.push(',');
         }
         // Load-test payloads are plain ASCII without quotes or backslashes: no escaping needed.
-        match event.device {
-            Some(device) => {
+        match event.target {
+            Target::Device(device) => {
                 body.push_str("{\"device\":\"");
-                body.push_str(&devices[device]);
+                body.push_str(&devices[device as usize]);
                 body.push_str("\",\"data\":\"");
             }
-            None => body.push_str("{\"broadcast\":true,\"data\":\""),
+            Target::Group(group) => {
+                body.push_str("{\"group\":\"");
+                body.push_str(&super::group_name(1, group as usize));
+                body.push_str("\",\"data\":\"");
+            }
+            Target::Broadcast => body.push_str("{\"broadcast\":true,\"data\":\""),
         }
         body.push_str(&event.data);
         body.push_str("\"}");
@@ -273,7 +278,12 @@ async fn nchan_pipeline<'a>(
     let mut requests = Vec::new();
     let mut count = 0;
     for event in events {
-        let channel = event.device.map_or("broadcast", |d| devices[d].as_str());
+        let channel = match event.target {
+            Target::Device(device) => devices[device as usize].as_str(),
+            Target::Broadcast => "broadcast",
+            // The fanout refuses group events for nchan before anything is published.
+            Target::Group(_) => return Err(io::Error::other("nchan has no groups")),
+        };
         requests.extend_from_slice(
             format!(
                 "POST /pub/{channel} HTTP/1.1\r\nHost: {}\r\nContent-Type: text/plain\r\nContent-Length: {}\r\n\r\n",
@@ -337,23 +347,31 @@ async fn redis_pipeline(
 ) -> io::Result<()> {
     let mut commands = Vec::new();
     let mut count = 0;
-    let mut xadd = |key: String, device: &[u8], data: &[u8]| {
+    let mut xadd = |key: String, field: &[u8], target: &[u8], data: &[u8]| {
         resp_command(
             &mut commands,
-            &[b"XADD", key.as_bytes(), b"*", b"dev", device, b"data", data],
+            &[b"XADD", key.as_bytes(), b"*", field, target, b"data", data],
         );
         count += 1;
     };
     for event in events {
-        match event.device {
-            Some(device) => {
-                let name = devices[device].as_bytes();
+        let data = event.data.as_bytes();
+        match event.target {
+            Target::Device(device) => {
+                let name = devices[device as usize].as_bytes();
                 let shard = crc32fast::hash(name) % shards;
-                xadd(format!("{prefix}:{shard}"), name, event.data.as_bytes());
+                xadd(format!("{prefix}:{shard}"), b"dev", name, data);
             }
-            None => {
+            // A group event, as a broadcast, is one copy on every shard (docs/stream-format.md).
+            Target::Group(group) => {
+                let name = super::group_name(1, group as usize);
                 for shard in 0..shards {
-                    xadd(format!("{prefix}:{shard}"), b"*", event.data.as_bytes());
+                    xadd(format!("{prefix}:{shard}"), b"grp", name.as_bytes(), data);
+                }
+            }
+            Target::Broadcast => {
+                for shard in 0..shards {
+                    xadd(format!("{prefix}:{shard}"), b"dev", b"*", data);
                 }
             }
         }
@@ -424,5 +442,23 @@ mod tests {
             next = (next + size) % count;
             sent += size;
         }
+    }
+
+    /// A batch names each item's target as the publish API does: device, group, broadcast.
+    #[test]
+    fn items_for_a_device_a_group_and_all() {
+        let endpoint = Endpoint::resolve("127.0.0.1:8080", 80, false).unwrap();
+        let devices = ["lt-0".to_string(), "lt-1".to_string()];
+        let events =
+            [Target::Device(1), Target::Group(7), Target::Broadcast].map(|target| Outgoing {
+                target,
+                data: "x".into(),
+            });
+        let request = posthorn_request(&endpoint, &devices, &events, false);
+        let body = request.split_once("\r\n\r\n").unwrap().1;
+        assert_eq!(
+            body,
+            r#"[{"device":"lt-1","data":"x"},{"group":"g1-7","data":"x"},{"broadcast":true,"data":"x"}]"#
+        );
     }
 }

@@ -51,7 +51,7 @@ pub struct ResumeArgs {
 
 pub async fn run(run: &Run, args: &ResumeArgs) -> Result<(), LoadtestError> {
     let n = run.devices.len();
-    let plan = Plan::new(Mode::Unicast, args.rate, args.away, args.size, n)?;
+    let plan = Plan::new(Mode::Unicast, args.rate, args.away, args.size, run)?;
     let cursors = run.take_cursors(&args.publish).await?;
 
     let mut publisher = run.publisher(&args.publish).await?;

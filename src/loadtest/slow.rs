@@ -57,7 +57,7 @@ pub async fn run(run: &Run, args: &SlowArgs) -> Result<(), LoadtestError> {
     let n = run.devices.len();
     let every = (1.0 / args.slow_fraction).round().max(2.0) as usize;
     let is_slow = |device: usize| device.is_multiple_of(every);
-    let plan = Plan::new(args.mode, args.rate, args.duration, args.size, n)?;
+    let plan = Plan::new(args.mode, args.rate, args.duration, args.size, run)?;
     let memory_before = run.server.memory().await;
     let healthy_indices: Vec<usize> = (0..n).filter(|d| !is_slow(*d)).collect();
     let slow_indices: Vec<usize> = (0..n).filter(|d| is_slow(*d)).collect();

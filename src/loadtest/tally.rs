@@ -6,7 +6,7 @@ use std::sync::Mutex;
 
 use hdrhistogram::Histogram;
 
-use super::payload::{now_us, Stamp};
+use super::payload::{now_us, Stamp, Target};
 
 const STRIPES: usize = 16;
 /// Latencies are recorded in microseconds up to ten minutes.
@@ -17,20 +17,24 @@ const MAX_LATENCY_US: u64 = 600_000_000;
 pub struct Tally {
     /// Device index of this connection.
     device: u64,
+    /// The group of ten it joined (`g1-<index>`), if any.
+    group: Option<u64>,
     seen: Vec<u64>,
     highest: Option<u64>,
     pub received: u64,
     pub distinct: u64,
     pub duplicates: u64,
     pub out_of_order: u64,
-    /// Payloads meant for another device, or with a sequence beyond the plan.
+    /// Payloads meant for another device or for a group it is not in, or with a sequence beyond
+    /// the plan.
     pub misrouted: u64,
 }
 
 impl Tally {
-    pub fn new(device: u64, expected: u64) -> Self {
+    pub fn new(device: u64, group: Option<u64>, expected: u64) -> Self {
         Self {
             device,
+            group,
             seen: vec![0; expected.div_ceil(64) as usize],
             highest: None,
             received: 0,
@@ -43,7 +47,12 @@ impl Tally {
 
     pub fn record(&mut self, stamp: Stamp) {
         self.received += 1;
-        if stamp.target.is_some_and(|device| device != self.device) {
+        let foreign = match stamp.target {
+            Target::Device(device) => device != self.device,
+            Target::Group(group) => self.group != Some(group),
+            Target::Broadcast => false,
+        };
+        if foreign {
             self.misrouted += 1;
             return;
         }
@@ -162,7 +171,7 @@ impl LatencySummary {
 mod tests {
     use super::*;
 
-    fn stamp(seq: u64, target: Option<u64>) -> Stamp {
+    fn stamp(seq: u64, target: Target) -> Stamp {
         Stamp {
             seq,
             sent_us: 0,
@@ -172,13 +181,13 @@ mod tests {
 
     #[test]
     fn counts_loss_duplicates_order_and_misrouting() {
-        let mut tally = Tally::new(3, 10);
+        let mut tally = Tally::new(3, None, 10);
         for seq in [0, 1, 3, 2, 3, 5] {
-            tally.record(stamp(seq, Some(3)));
+            tally.record(stamp(seq, Target::Device(3)));
         }
-        tally.record(stamp(6, Some(4)));
-        tally.record(stamp(7, None));
-        tally.record(stamp(99, None));
+        tally.record(stamp(6, Target::Device(4)));
+        tally.record(stamp(7, Target::Broadcast));
+        tally.record(stamp(99, Target::Broadcast));
         let mut totals = Totals::default();
         totals.add(&tally, 10);
         assert_eq!(totals.received, 9);
@@ -188,6 +197,26 @@ mod tests {
         assert_eq!(totals.out_of_order, 1); // 2 after 3
         assert_eq!(totals.misrouted, 2); // device 4, seq 99
         assert!(!totals.lossless());
+    }
+
+    /// A member counts its group's events; another group's, or any group's for a stream in
+    /// none, are misrouted.
+    #[test]
+    fn group_events_of_other_groups_are_misrouted() {
+        let mut member = Tally::new(25, Some(2), 4);
+        for seq in [0, 1, 1, 3] {
+            member.record(stamp(seq, Target::Group(2)));
+        }
+        member.record(stamp(2, Target::Group(3)));
+        let mut outsider = Tally::new(25, None, 0);
+        outsider.record(stamp(0, Target::Group(2)));
+        let mut totals = Totals::default();
+        totals.add(&member, 4);
+        totals.add(&outsider, 0);
+        assert_eq!(totals.distinct, 3);
+        assert_eq!(totals.lost, 1);
+        assert_eq!(totals.duplicates, 1);
+        assert_eq!(totals.misrouted, 2);
     }
 
     #[test]
