@@ -106,6 +106,58 @@ async fn unicast_and_broadcast_fanout_count_every_delivery() {
     assert!(svg.starts_with("<svg") && svg.contains("polyline"));
 }
 
+/// Group events reach the ten members of their group each (`--groups 1`, `--mode group`), and
+/// a publisher that sits idle longer than the server's keep-alive (actix-web: 5 s) publishes
+/// again on a fresh connection: broadcasts 6.7 s apart, as the group fan-out benchmark sends
+/// them at its lowest rate, failed with "closed before the response head".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn group_events_and_a_publisher_idle_past_the_keep_alive() {
+    let hub = Hub::builder().start().await;
+    let url = hub.base_url();
+    let report = run_ok(&[
+        "fanout",
+        "--url",
+        &url,
+        "-n",
+        "40",
+        "--groups",
+        "1",
+        "--mode",
+        "group",
+        "--rate",
+        "20",
+        "--duration",
+        "1s",
+    ])
+    .await;
+    assert_eq!(report["lossless"], true, "{report}");
+    assert_eq!(report["mode"], "group", "{report}");
+    assert_eq!(u(&report["group_count"]), 4, "{report}");
+    assert_eq!(u(&report["deliveries"]["expected"]), 20 * 10, "{report}");
+    assert_eq!(u(&report["deliveries"]["distinct"]), 20 * 10, "{report}");
+    assert_eq!(u(&report["deliveries"]["misrouted"]), 0, "{report}");
+
+    let report = run_ok(&[
+        "fanout",
+        "--url",
+        &url,
+        "-n",
+        "5",
+        "--mode",
+        "broadcast",
+        "--rate",
+        "0.15",
+        "--duration",
+        "14s",
+        "--settle",
+        "1s",
+    ])
+    .await;
+    assert_eq!(report["lossless"], true, "{report}");
+    assert_eq!(u(&report["published"]["events"]), 2, "{report}");
+    assert_eq!(u(&report["deliveries"]["distinct"]), 2 * 5, "{report}");
+}
+
 /// Against a hub with jwt auth the tool signs a token per device and one for its publishes: a
 /// storm and a fanout run through it with every stream and publish accepted; without tokens the
 /// same hub refuses the streams.

@@ -4,7 +4,10 @@
 //! standalone key layout), or nchan's `POST /pub/{channel}` (one message per request, pipelined
 //! over several keep-alive connections, as nchan has no batch publish).
 
-use std::io;
+use std::{
+    io,
+    time::{Duration, Instant},
+};
 
 use tokio::io::AsyncWriteExt;
 
@@ -13,6 +16,10 @@ use super::{payload::Target, wire, Endpoint, Peer};
 /// Connections that pipelined requests are spread over (nchan's, and posthorn's with a set
 /// number of events per request).
 const PIPELINED_CONNECTIONS: usize = 8;
+/// A connection idle this long is opened anew before its next request: servers close idle
+/// keep-alive connections (actix-web after 5 s, nginx after 75 s), and a request written into
+/// one that is closing fails (a broadcast every 10 s did).
+const REOPEN_AFTER_IDLE: Duration = Duration::from_secs(2);
 /// posthorn's default `limits.max_batch`.
 pub const POSTHORN_MAX_BATCH: usize = 1000;
 
@@ -44,6 +51,8 @@ pub struct Connection {
     endpoint: Endpoint,
     stream: wire::Conn,
     buf: Vec<u8>,
+    /// When its last request began.
+    used: Instant,
 }
 
 impl Connection {
@@ -52,7 +61,18 @@ impl Connection {
             endpoint: endpoint.clone(),
             stream: wire::open(endpoint, None, None).await?,
             buf: Vec::new(),
+            used: Instant::now(),
         })
+    }
+
+    /// Before a request: opened anew if it sat idle for [`REOPEN_AFTER_IDLE`].
+    async fn ready(&mut self) -> io::Result<()> {
+        if self.used.elapsed() >= REOPEN_AFTER_IDLE {
+            self.stream = wire::open(&self.endpoint, None, None).await?;
+            self.buf.clear();
+        }
+        self.used = Instant::now();
+        Ok(())
     }
 }
 
@@ -112,6 +132,17 @@ impl Publisher {
 
     /// Publishes `events` and waits until the server accepted every one.
     pub async fn publish(&mut self, devices: &[String], events: &[Outgoing]) -> io::Result<()> {
+        let connections: Vec<&mut Connection> = match self {
+            Publisher::Posthorn(connection) | Publisher::Redis { connection, .. } => {
+                vec![connection]
+            }
+            Publisher::PosthornPipelined { connections, .. } | Publisher::Nchan(connections) => {
+                connections.iter_mut().collect()
+            }
+        };
+        for connection in connections {
+            connection.ready().await?;
+        }
         match self {
             Publisher::Posthorn(connection) => {
                 for batch in events.chunks(POSTHORN_MAX_BATCH) {
