@@ -841,3 +841,55 @@ async fn one_pod_at_a_time_trims_and_hands_over_when_it_stops() {
     }
     drop(second);
 }
+
+/// A group event retried with its key on fewer shards (the group's index read failed the first
+/// time, so every shard got a copy; the retry knows the members' shards) is a duplicate: the
+/// answer is the first attempt's id and no shard gets a second copy. The append script used to
+/// take a node group with one stream of the retry for a device's event and check the stored
+/// answer against that stream's life, which is another shard's: it appended again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_group_event_retried_on_fewer_shards_is_a_duplicate() {
+    use posthorn::{
+        backend::{
+            redis::{ConnectionSetup, RedisBackend, RedisSettings},
+            Backend, NewEvent,
+        },
+        config::{Config, RedactedUrl},
+        model::{EventType, GroupName, Target},
+    };
+    let redis = RedisServer::start().await;
+    let mut config = Config::default();
+    config.redis.url = RedactedUrl::new(redis.url());
+    let setup = ConnectionSetup::read(&config.redis).expect("redis setup");
+    let backend = RedisBackend::connect(
+        RedisSettings {
+            redis: config.redis.clone(),
+            dedupe_window: Duration::from_secs(60),
+        },
+        &setup,
+    )
+    .await
+    .expect("connect to redis");
+    let event = |only_shards: Option<Vec<u32>>| NewEvent {
+        target: Target::Group(GroupName::parse("store-17").unwrap()),
+        event_type: EventType::parse("price").unwrap(),
+        data: "2.40".into(),
+        key: Some("price-1".into()),
+        expires_ms: None,
+        supersede: None,
+        only_shards,
+    };
+    let first = backend.append(vec![event(None)]).await.expect("append");
+    let first = first[0].as_ref().expect("stored");
+    assert!(!first.duplicate);
+    assert_eq!(first.copies.len(), 64, "every shard: {first:?}");
+    let retried = backend
+        .append(vec![event(Some(vec![17]))])
+        .await
+        .expect("append");
+    let retried = retried[0].as_ref().expect("stored");
+    assert!(retried.duplicate, "{retried:?}");
+    assert_eq!(retried.cursor, first.cursor);
+    let mut client = redis.client().await;
+    assert_eq!(client.xlen("pos-ev:17").await, 1, "one copy on shard 17");
+}

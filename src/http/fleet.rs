@@ -301,12 +301,13 @@ pub async fn unacknowledged(
                 .into_iter()
                 .filter(|record| {
                     // A group event has copies only in the shards its members were seen in: a
-                    // member of another shard has none to acknowledge.
+                    // member on another shard (it joined there after the event was stored) was
+                    // never sent it, and has nothing to acknowledge.
                     let shard = shard_of(record.device.as_str(), shards);
                     copies
                         .iter()
                         .find(|copy| copy.shard == shard)
-                        .is_none_or(|copy| !acked_copy(record, copy))
+                        .is_some_and(|copy| !acked_copy(record, copy))
                 })
                 .map(|record| record_json(&record))
                 .collect();

@@ -4,7 +4,7 @@
 //! publishes), the answer is 207 and names per item its id or why it has none; a batch of which
 //! nothing is known to be stored is a 503.
 
-use std::time::Instant;
+use std::{collections::HashMap, time::Instant};
 
 use actix_web::{web, HttpRequest, HttpResponse};
 use futures_util::StreamExt;
@@ -12,7 +12,10 @@ use serde_json::{json, Map, Value};
 
 use super::{auth::Access, error::ApiError, AppState};
 use crate::{
-    backend::{fleet::groups::shards_to_write, ItemFailure, NewEvent},
+    backend::{
+        fleet::groups::{seen_window, shards_to_write},
+        ItemFailure, NewEvent,
+    },
     config::parse_duration,
     metrics::PublishResult,
     model::{shard_of, unix_ms, DeviceId, EventType, GroupName, Target},
@@ -342,19 +345,27 @@ fn parse_item(
     })
 }
 
+/// Longest wait for one group's index: a slow fleet store must not hold group publishes (they
+/// then go to every shard).
+const GROUP_INDEX_TIMEOUT: std::time::Duration = std::time::Duration::from_millis(500);
+/// Group indexes read at once for one request.
+const GROUP_INDEX_READS: usize = 16;
+
 /// Gives each group event of `events` the shards where its group's members were seen (one read
-/// of the group's index per group). Where that is not known (presence off, an index too young
-/// to trust, a store that does not answer) the event goes to every shard: a copy too many costs
-/// an entry, a copy too few would lose the event for a member. A group with no member seen gets
-/// one copy, in the shard its name hashes to, so that it has an id like any event.
+/// of the group's index per group, `fleet::groups` decides). Where that is not known (presence
+/// off, no index for the group or one too young to trust, a store that does not answer within
+/// [`GROUP_INDEX_TIMEOUT`]) the event goes to every shard: a copy too many costs an entry, a
+/// copy too few would lose the event for a member. A group whose index names no shard (no
+/// member seen lately) gets one copy, on the shard its name hashes to, so that it has an id
+/// like any event.
 async fn choose_group_shards(events: &mut [NewEvent], state: &AppState) {
     let Some(fleet) = &state.fleet else {
         return;
     };
-    let mut groups: Vec<&GroupName> = events
+    let mut groups: Vec<GroupName> = events
         .iter()
         .filter_map(|event| match &event.target {
-            Target::Group(group) => Some(group),
+            Target::Group(group) => Some(group.clone()),
             _ => None,
         })
         .collect();
@@ -364,32 +375,42 @@ async fn choose_group_shards(events: &mut [NewEvent], state: &AppState) {
     groups.sort();
     groups.dedup();
     let shards = state.backend.shards();
-    let retention = state.config.presence.retention;
-    let reads = groups.into_iter().map(|group| async move {
-        let chosen = match fleet.store.group_index(group).await {
-            Ok(index) => shards_to_write(index.as_ref(), retention, shards).map(|seen| {
-                if seen.is_empty() {
-                    vec![shard_of(group.as_str(), shards)]
-                } else {
-                    seen
+    let window = seen_window(
+        state.config.presence.retention,
+        state.config.backend_choice().retention(),
+    );
+    let chosen: HashMap<GroupName, Option<Vec<u32>>> = futures_util::stream::iter(groups)
+        .map(|group| async move {
+            let read = tokio::time::timeout(GROUP_INDEX_TIMEOUT, fleet.store.group_index(&group));
+            let chosen = match read.await {
+                Ok(Ok(index)) => shards_to_write(index.as_ref(), window, shards).map(|seen| {
+                    if seen.is_empty() {
+                        vec![shard_of(group.as_str(), shards)]
+                    } else {
+                        seen
+                    }
+                }),
+                Ok(Err(error)) => {
+                    log::warn!(
+                        "fleet: where the members of group {group} are is not known ({}): its \
+                         events go to every shard",
+                        crate::report::Report(&error)
+                    );
+                    None
                 }
-            }),
-            Err(error) => {
-                log::warn!(
-                    "fleet: where the members of group {group} are is not known ({}): its \
-                     events go to every shard",
-                    crate::report::Report(&error)
-                );
-                None
-            }
-        };
-        (group.clone(), chosen)
-    });
-    let chosen: std::collections::HashMap<GroupName, Option<Vec<u32>>> =
-        futures_util::future::join_all(reads)
-            .await
-            .into_iter()
-            .collect();
+                Err(_) => {
+                    log::warn!(
+                        "fleet: the index of group {group} took over {GROUP_INDEX_TIMEOUT:?}: its \
+                         events go to every shard"
+                    );
+                    None
+                }
+            };
+            (group, chosen)
+        })
+        .buffer_unordered(GROUP_INDEX_READS)
+        .collect()
+        .await;
     for event in events.iter_mut() {
         if let Target::Group(group) = &event.target {
             event.only_shards = chosen.get(group).cloned().flatten();

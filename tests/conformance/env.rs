@@ -30,7 +30,7 @@ use crate::support::{
     hub::HubBuilder,
     nats::{produce, stream_state, NatsServer},
     redis::RedisServer,
-    Hub, RedisCluster,
+    Hub, RedisCluster, RespValue,
 };
 
 /// Shards of every backend in the suite (the default).
@@ -260,6 +260,17 @@ impl Env {
     /// A hub on this backend with its default settings.
     pub async fn start_hub(&self) -> Hub {
         self.hub().start().await
+    }
+
+    /// A hub whose backend keeps events for `retention` (`memory.retention`, `redis.retention`,
+    /// `nats.retention`).
+    pub fn hub_with_event_retention(&self, retention: &str) -> HubBuilder {
+        let key = match self.kind {
+            Kind::Memory => "POSTHORN_MEMORY__RETENTION",
+            Kind::RedisStandalone | Kind::RedisCluster => "POSTHORN_REDIS__RETENTION",
+            Kind::Nats => "POSTHORN_NATS__RETENTION",
+        };
+        self.hub().env(key, retention)
     }
 
     /// A hub pointed at a closed port of this backend's kind.
@@ -585,6 +596,51 @@ impl Env {
             Servers::Nats(nats) => {
                 let js = nats.jetstream().await;
                 stream_state(&js, NATS_STREAM).await.messages
+            }
+            Servers::Memory => self.cannot(Fault::InspectStore),
+        }
+    }
+
+    /// How many entries the backend was ever appended over all shards (what trimming removed
+    /// since counts): Redis' `entries-added` of each stream, the JetStream stream's last
+    /// sequence.
+    pub async fn appended_entries(&mut self) -> u64 {
+        fn entries_added(reply: &RespValue, key: &str) -> u64 {
+            if reply.as_error().is_some() {
+                return 0; // No such stream yet.
+            }
+            let fields = reply
+                .as_array()
+                .unwrap_or_else(|| panic!("XINFO STREAM {key}: {reply:?}"));
+            fields
+                .chunks(2)
+                .find(|pair| pair[0].as_str() == Some("entries-added"))
+                .and_then(|pair| pair[1].as_int())
+                .and_then(|added| u64::try_from(added).ok())
+                .unwrap_or_else(|| panic!("XINFO STREAM {key}: no entries-added in {reply:?}"))
+        }
+        match &self.servers {
+            Servers::Redis(redis) => {
+                let mut client = redis.client().await;
+                let mut total = 0;
+                for on in 0..SHARDS {
+                    let key = redis_key(on);
+                    total += entries_added(&client.cmd(&["XINFO", "STREAM", &key]).await, &key);
+                }
+                total
+            }
+            Servers::Cluster(cluster) => {
+                let mut total = 0;
+                for on in 0..SHARDS {
+                    let key = cluster_key(on);
+                    let reply = cluster.cmd_for_key(&key, &["XINFO", "STREAM", &key]).await;
+                    total += entries_added(&reply, &key);
+                }
+                total
+            }
+            Servers::Nats(nats) => {
+                let js = nats.jetstream().await;
+                stream_state(&js, NATS_STREAM).await.last_sequence
             }
             Servers::Memory => self.cannot(Fault::InspectStore),
         }

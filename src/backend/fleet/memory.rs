@@ -52,12 +52,8 @@ struct State {
     broadcasts: HashMap<String, (u64, Vec<Cursor>)>,
     /// The same ids in the order they were recorded, so the oldest go first.
     broadcast_order: VecDeque<(u64, String)>,
-    /// When the first group was marked, and the last (Unix ms): the note of indexing is
-    /// forgotten a seen window after the last mark, as the shared stores' expires.
-    indexing_since: Option<u64>,
-    last_marked: u64,
-    /// Per group, per shard the last mark of a member there.
-    groups: HashMap<GroupName, HashMap<u32, u64>>,
+    /// Per group: since when it is indexed, and per shard the last mark of a member there.
+    groups: HashMap<GroupName, (u64, HashMap<u32, u64>)>,
 }
 
 #[derive(Clone)]
@@ -136,8 +132,9 @@ impl State {
         });
         self.instances
             .retain(|_, beat| beat.is_some_and(|beat| beat >= oldest));
-        let unseen = now.saturating_sub(seen_window(settings.retention).as_millis() as u64);
-        self.groups.retain(|_, marks| {
+        let window = seen_window(settings.retention, settings.broadcast_retention);
+        let unseen = now.saturating_sub(window.as_millis() as u64);
+        self.groups.retain(|_, (_, marks)| {
             marks.retain(|_, marked| *marked >= unseen);
             !marks.is_empty()
         });
@@ -198,20 +195,24 @@ impl FleetStore for MemoryFleet {
         let now = unix_ms();
         let due = self.marks.due(&changes, now);
         let mut state = self.state();
-        let window = seen_window(self.settings.retention).as_millis() as u64;
-        if !due.is_empty() {
-            if now.saturating_sub(state.last_marked) >= window {
-                state.indexing_since = None;
+        let window = seen_window(self.settings.retention, self.settings.broadcast_retention);
+        let unseen = now.saturating_sub(window.as_millis() as u64);
+        for (group, shards) in &due {
+            let (since, marks) = state
+                .groups
+                .entry(group.clone())
+                .or_insert_with(|| (now, HashMap::new()));
+            // An index no member marked within the window is forgotten (not yet swept): it
+            // begins again.
+            if marks.values().all(|&marked| marked < unseen) {
+                *since = now;
+                marks.clear();
             }
-            state.indexing_since.get_or_insert(now);
-            state.last_marked = now;
-        }
-        for (group, shards) in due {
-            let marks = state.groups.entry(group).or_default();
-            for shard in shards {
+            for &shard in shards {
                 marks.insert(shard, now);
             }
         }
+        self.marks.written(&due, now);
         for change in changes {
             let refresh = matches!(change, PresenceWrite::Refresh(_));
             match change {
@@ -403,25 +404,22 @@ impl FleetStore for MemoryFleet {
     fn group_index(&self, group: &GroupName) -> BoxFuture<'_, BackendResult<Option<GroupIndex>>> {
         // Forgotten after the seen window, as the shared stores' entries expire.
         let now_ms = unix_ms();
-        let window = seen_window(self.settings.retention).as_millis() as u64;
-        let unseen = now_ms.saturating_sub(window);
-        let state = self.state();
-        let noted = state
-            .indexing_since
-            .filter(|_| now_ms.saturating_sub(state.last_marked) < window);
-        let index = noted.map(|indexing_since_ms| GroupIndex {
-            indexing_since_ms,
-            marks: state
-                .groups
-                .get(group)
-                .into_iter()
-                .flatten()
-                .filter(|(_, &ms)| ms >= unseen)
-                .map(|(&shard, &ms)| (shard, ms))
-                .collect(),
-            now_ms,
-        });
-        drop(state);
+        let window = seen_window(self.settings.retention, self.settings.broadcast_retention);
+        let unseen = now_ms.saturating_sub(window.as_millis() as u64);
+        let index = self
+            .state()
+            .groups
+            .get(group)
+            .map(|(since_ms, marks)| GroupIndex {
+                since_ms: *since_ms,
+                marks: marks
+                    .iter()
+                    .filter(|(_, &ms)| ms >= unseen)
+                    .map(|(&shard, &ms)| (shard, ms))
+                    .collect(),
+                now_ms,
+            })
+            .filter(|index| !index.marks.is_empty());
         async { Ok(index) }.boxed()
     }
 

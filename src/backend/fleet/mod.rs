@@ -41,10 +41,11 @@
 //!   `broadcast_retention` (the memory store also keeps at most as many as its log keeps
 //!   entries per shard).
 //! - **Group index.** Sessions written online or refreshed mark their groups in their device's
-//!   shard ([`groups::GroupMarks`], at most once per period per pod); `group_index` answers the
-//!   marks with when the store began to keep them and its clock now. A store that loses it
-//!   begins again (what a pod then publishes to the group goes to every shard for a while:
-//!   [`groups::shards_to_write`]). Marks older than [`groups::seen_window`] may be forgotten.
+//!   shard ([`groups::GroupMarks`], at most once per period per pod, confirmed only once
+//!   written); `group_index` answers a group's marks with when its index began (kept with the
+//!   marks) and the store's clock now; `None` for a group without one. Marks older than the seen
+//!   window may be forgotten, and an index none of whose marks is fresh with them
+//!   ([`groups::shards_to_write`] says what a publish does with it).
 //! - **Channel.** `announce` reaches every subscriber of every pod, this one included, at most
 //!   once and in order per publisher; `subscribe` is resubscribed by the store after an outage,
 //!   and then yields [`Heard::Gap`]: messages sent meanwhile may be lost, so the subscriber reads

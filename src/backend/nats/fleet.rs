@@ -5,7 +5,8 @@
 //! - **Buckets.** `{stream}_devices` (one JSON record per device, max age = retention),
 //!   `{stream}_pods` (one entry per instance: its last beat, max age = retention) and
 //!   `{stream}_broadcasts` (the copies of a broadcast, max age = `nats.retention`); `{stream}_groups`
-//!   (per group, the shards where its members were seen, max age = `groups::seen_window`). Created or
+//!   (per group, since when it is indexed and the shards where its members were seen, max age =
+//!   `groups::seen_window`). Created or
 //!   updated at start-up, and created again when a failed request finds one gone. A key is read from
 //!   the bucket's stream leader (`STREAM.MSG.GET`), never by direct get, which a replica that
 //!   has not applied the last write may answer: a pod reads back what it or any other pod
@@ -86,22 +87,13 @@ struct Stored {
     acked_ms: Option<u64>,
 }
 
-/// A group's index as stored (JSON): per shard the last mark of a member there (the server's
-/// clock, ms).
-#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+/// A group's index as stored (JSON), times by the server's clock (ms): since when it is kept, and
+/// per shard the last mark of a member there.
+#[derive(Debug, Clone, Serialize, Deserialize)]
 struct StoredGroup {
+    since_ms: u64,
     marks: BTreeMap<u32, u64>,
 }
-
-/// When the store began to index groups (JSON; the server's clock, ms), under
-/// [`INDEXING_SINCE_KEY`] of the groups bucket.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-struct IndexingSince {
-    since_ms: u64,
-}
-
-/// No group's key: `=` is not a device-id character, so no escaped name holds it.
-const INDEXING_SINCE_KEY: &str = "=since";
 
 /// An instance's beat as stored (JSON); when is the entry's timestamp.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -272,7 +264,7 @@ impl NatsFleet {
             bucket(
                 "groups",
                 "posthorn fleet: where the members of groups were seen",
-                seen_window(settings.retention),
+                seen_window(settings.retention, settings.broadcast_retention),
             ),
         ];
         let devices = open(bucket_streams[0].clone()).await?;
@@ -497,10 +489,15 @@ impl NatsFleet {
     }
 
     async fn write(&self, changes: Vec<PresenceWrite>) -> BackendResult<()> {
-        let due = self.marks.due(&changes, unix_ms());
+        let now = unix_ms();
+        let due = self.marks.due(&changes, now);
         let (marked, written) =
-            futures_util::join!(self.mark_groups(due), self.write_records(changes));
-        marked.and(written)
+            futures_util::join!(self.mark_groups(&due), self.write_records(changes));
+        // Only now: the marks of a write that failed or was dropped are owed again (the batch
+        // is retried whole).
+        marked.and(written)?;
+        self.marks.written(&due, now);
+        Ok(())
     }
 
     async fn write_records(&self, changes: Vec<PresenceWrite>) -> BackendResult<()> {
@@ -541,20 +538,22 @@ impl NatsFleet {
         Ok(())
     }
 
-    /// Marks groups seen in shards, one compare-and-set per group, together.
-    async fn mark_groups(&self, due: BTreeMap<GroupName, Vec<u32>>) -> BackendResult<()> {
+    /// Marks groups seen in shards, one compare-and-set per group, together; a group's entry
+    /// begins with its first mark (`since_ms`), and its marks older than the window go.
+    async fn mark_groups(&self, due: &BTreeMap<GroupName, Vec<u32>>) -> BackendResult<()> {
         if due.is_empty() {
             return Ok(());
         }
         self.trip();
-        let marks = due.into_iter().map(|(group, shards)| async move {
+        let window = seen_window(self.settings.retention, self.settings.broadcast_retention);
+        let marks = due.iter().map(|(group, shards)| async move {
             let key = device_key(group.as_str());
             for _ in 0..CAS_TRIES {
                 let now = self.server_now().max(0) as u64;
                 let entry = Leader::last(&self.groups, &key)
                     .await
                     .map_err(|error| unavailable("group index read", error))?;
-                let (mut stored, revision) = match entry {
+                let (stored, revision) = match entry {
                     Some(entry) => (
                         serde_json::from_slice::<StoredGroup>(&entry.value)
                             .ok()
@@ -563,13 +562,14 @@ impl NatsFleet {
                     ),
                     None => (None, None),
                 };
-                let index = stored.get_or_insert_with(StoredGroup::default);
-                for &shard in &shards {
+                let mut index = stored.unwrap_or(StoredGroup {
+                    since_ms: now,
+                    marks: BTreeMap::new(),
+                });
+                for &shard in shards {
                     index.marks.insert(shard, now);
                 }
-                // Marks no longer seen go, so the entry stays the size of the shards seen.
-                let unseen =
-                    now.saturating_sub(seen_window(self.settings.retention).as_millis() as u64);
+                let unseen = now.saturating_sub(window.as_millis() as u64);
                 index.marks.retain(|_, marked| *marked >= unseen);
                 let value = Bytes::from(
                     serde_json::to_vec(&index)
@@ -598,88 +598,26 @@ impl NatsFleet {
                 "nats: group index {key} kept changing under {CAS_TRIES} tries"
             )))
         });
-        let (results, began) = futures_util::join!(
-            futures_util::future::join_all(marks),
-            self.keep_indexing_since()
-        );
-        if began.is_err() || results.iter().any(Result::is_err) {
-            // Some marks may not have been written: the retry marks them again.
-            self.marks.forget();
-        }
-        results
+        futures_util::future::join_all(marks)
+            .await
             .into_iter()
-            .collect::<BackendResult<()>>()
-            .and(began)
-    }
-
-    /// Notes when the store began to index groups, unless it has, and keeps the note from aging
-    /// out of the bucket (its max age is the seen window) while marks are written.
-    async fn keep_indexing_since(&self) -> BackendResult<()> {
-        let window = seen_window(self.settings.retention).as_millis() as i64;
-        let entry = Leader::last(&self.groups, INDEXING_SINCE_KEY)
-            .await
-            .map_err(|error| unavailable("group index read", error))?
-            .filter(|entry| entry.put);
-        let value = match entry {
-            Some(entry) if self.server_now() - entry.created_ms < window / 2 => return Ok(()),
-            Some(entry) => entry.value,
-            None => {
-                let since = IndexingSince {
-                    since_ms: self.server_now().max(0) as u64,
-                };
-                let value = Bytes::from(
-                    serde_json::to_vec(&since)
-                        .map_err(|error| unavailable("group index", error))?,
-                );
-                // Another pod may begin at the same moment: the first note stands.
-                return match self.groups.create(INDEXING_SINCE_KEY, value).await {
-                    Ok(_) => Ok(()),
-                    Err(error) if error.kind() == kv::CreateErrorKind::AlreadyExists => Ok(()),
-                    Err(error) => Err(unavailable("group index write", error)),
-                };
-            }
-        };
-        self.groups
-            .put(INDEXING_SINCE_KEY, value)
-            .await
-            .map(|_| ())
-            .map_err(|error| unavailable("group index write", error))
+            .collect()
     }
 
     async fn group_index(&self, group: &GroupName) -> BackendResult<Option<GroupIndex>> {
-        let key = device_key(group.as_str());
-        let (since, entry) = futures_util::join!(
-            Leader::last(&self.groups, INDEXING_SINCE_KEY),
-            Leader::last(&self.groups, &key)
-        );
-        let read = |result: Result<Option<Leader>, LastRawMessageError>| {
-            result
-                .map(|entry| entry.filter(|entry| entry.put))
-                .map_err(|error| unavailable("group index read", error))
-        };
-        let Some(since) = read(since)? else {
+        let entry = Leader::last(&self.groups, &device_key(group.as_str()))
+            .await
+            .map_err(|error| unavailable("group index read", error))?
+            .filter(|entry| entry.put);
+        let Some(entry) = entry else {
             return Ok(None);
         };
-        let since: IndexingSince =
-            serde_json::from_slice(&since.value).map_err(|_| bad("group index"))?;
-        let marks = match read(entry)? {
-            Some(entry) => {
-                serde_json::from_slice::<StoredGroup>(&entry.value)
-                    .map_err(|_| bad("group index"))?
-                    .marks
-            }
-            None => BTreeMap::new(),
-        };
+        let stored: StoredGroup =
+            serde_json::from_slice(&entry.value).map_err(|_| bad("group index"))?;
         let now_ms = self.server_now().max(0) as u64;
-        let unseen = now_ms.saturating_sub(seen_window(self.settings.retention).as_millis() as u64);
         Ok(Some(GroupIndex {
-            indexing_since_ms: since.since_ms,
-            // The entry ages out of the bucket a window after its last write; its older marks
-            // go here.
-            marks: marks
-                .into_iter()
-                .filter(|&(_, marked)| marked >= unseen)
-                .collect(),
+            since_ms: stored.since_ms,
+            marks: stored.marks.into_iter().collect(),
             now_ms,
         }))
     }

@@ -134,27 +134,19 @@ end
 return 1
 "#;
 
-/// Marks a group's members seen in some shards now (Redis' clock). KEYS[1]: the group's hash.
-/// ARGV: its expiry (ms), then the shards.
+/// Marks a group's members seen in some shards now (Redis' clock), and notes when its index
+/// began unless it has (in the same hash: whatever loses the marks loses the note). KEYS[1]: the
+/// group's hash. ARGV: its expiry (ms), then the shards.
 pub const MARK_GROUP: &str = r#"
 local t = redis.call('TIME')
 local now = string.format('%.0f', tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))
+redis.call('HSETNX', KEYS[1], 'since', now)
 for i = 2, #ARGV do redis.call('HSET', KEYS[1], ARGV[i], now) end
 redis.call('PEXPIRE', KEYS[1], ARGV[1])
 return 1
 "#;
 
-/// Notes when the store began to index groups, unless it has, and keeps the note for a seen
-/// window after this mark. KEYS[1]: the note. ARGV[1]: the window (ms).
-pub const BEGIN_INDEXING: &str = r#"
-local t = redis.call('TIME')
-local now = string.format('%.0f', tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))
-redis.call('SET', KEYS[1], now, 'NX')
-redis.call('PEXPIRE', KEYS[1], ARGV[1])
-return 1
-"#;
-
-/// Redis' clock and a group's hash (a mark per shard). KEYS[1]: the hash.
+/// Redis' clock and a group's hash (`since` and a mark per shard). KEYS[1]: the hash.
 /// Returns `{ms, fields (HGETALL)}`.
 pub const GROUP_INDEX: &str = r#"
 local t = redis.call('TIME')
@@ -224,9 +216,6 @@ impl Keys {
     }
     fn group(&self, group: &str) -> String {
         format!("{}:fleet:grp:{group}", self.prefix)
-    }
-    fn indexing_since(&self) -> String {
-        format!("{}:fleet:grp-since", self.prefix)
     }
     fn channel(&self) -> String {
         format!("{}:fleet", self.prefix)
@@ -382,77 +371,56 @@ impl RedisFleet {
             })
             .collect();
         calls.push(self.index_call(devices));
-        let expiry = ms_arg(seen_window(self.settings.retention));
-        let due = self.marks.due(&changes, unix_ms());
-        if !due.is_empty() {
-            calls.push(eval(
-                BEGIN_INDEXING,
-                vec![self.keys.indexing_since()],
-                vec![expiry.clone()],
-            ));
-        }
-        for (group, shards) in due {
+        let expiry = ms_arg(seen_window(
+            self.settings.retention,
+            self.settings.broadcast_retention,
+        ));
+        let now = unix_ms();
+        let due = self.marks.due(&changes, now);
+        for (group, shards) in &due {
             let mut args = vec![expiry.clone()];
-            args.extend(
-                shards
-                    .into_iter()
-                    .map(|shard| Value::from(i64::from(shard))),
-            );
+            args.extend(shards.iter().map(|&shard| Value::from(i64::from(shard))));
             calls.push(eval(
                 MARK_GROUP,
                 vec![self.keys.group(group.as_str())],
                 args,
             ));
         }
-        let written = self.exchange(calls).await.map(|_| ());
-        if written.is_err() {
-            // Some marks may not have been written: the retry marks them again.
-            self.marks.forget();
-        }
-        written
+        self.exchange(calls).await?;
+        // Only now: the marks of a write that failed or was dropped are owed again.
+        self.marks.written(&due, now);
+        Ok(())
     }
 
     async fn group_index(&self, group: &GroupName) -> BackendResult<Option<GroupIndex>> {
-        let since_key = self.keys.indexing_since();
-        let replies = self
-            .exchange(vec![
-                eval(
-                    GROUP_INDEX,
-                    vec![self.keys.group(group.as_str())],
-                    Vec::new(),
-                ),
-                Call {
-                    name: "GET",
-                    slot_key: since_key.clone(),
-                    args: vec![Value::from(since_key)],
-                },
-            ])
+        let reply = self
+            .one(eval(
+                GROUP_INDEX,
+                vec![self.keys.group(group.as_str())],
+                Vec::new(),
+            ))
             .await?;
         let bad = || bad_reply("fleet group index");
-        let [index, since] = replies.as_slice() else {
+        let [now, fields] = reply::items(&reply) else {
             return Err(bad());
         };
         let number = |value: &Value| reply::text(value).and_then(|text| text.parse::<u64>().ok());
-        if matches!(since, Value::Null) {
-            return Ok(None);
-        }
-        let indexing_since_ms = number(since).ok_or_else(bad)?;
-        let [now, fields] = reply::items(index) else {
-            return Err(bad());
-        };
         let now_ms = number(now).ok_or_else(bad)?;
-        let marks = reply::items(fields)
-            .chunks(2)
-            .map(|pair| match pair {
-                [shard, marked] => reply::text(shard)
-                    .and_then(|shard| shard.parse::<u32>().ok())
-                    .zip(number(marked))
-                    .ok_or_else(bad),
-                _ => Err(bad()),
-            })
-            .collect::<BackendResult<Vec<_>>>()?;
-        Ok(Some(GroupIndex {
-            indexing_since_ms,
+        let mut since_ms = None;
+        let mut marks = Vec::new();
+        for pair in reply::items(fields).chunks(2) {
+            let [name, value] = pair else {
+                return Err(bad());
+            };
+            let name = reply::text(name).ok_or_else(bad)?;
+            let value = number(value).ok_or_else(bad)?;
+            match name {
+                "since" => since_ms = Some(value),
+                shard => marks.push((shard.parse::<u32>().map_err(|_| bad())?, value)),
+            }
+        }
+        Ok(since_ms.map(|since_ms| GroupIndex {
+            since_ms,
             marks,
             now_ms,
         }))

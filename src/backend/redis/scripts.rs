@@ -114,7 +114,7 @@ for _ = 1, tonumber(ARGV[5]) do
         epoch = life(stream, ARGV[1] .. shard)
         lives[stream] = epoch
       end
-      if streams == 1 and string.sub(previous, 1, #epoch + 1) ~= epoch .. '.' then previous = false end
+      if not per_shard and string.sub(previous, 1, #epoch + 1) ~= epoch .. '.' then previous = false end
     end
   end
   if previous then
