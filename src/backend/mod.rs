@@ -143,11 +143,13 @@ impl NewEvent {
 /// Outcome of one appended (or deduplicated) event, in input order.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Appended {
-    /// For a broadcast or a group event: the copy on shard 0.
+    /// For a broadcast: the copy on shard 0; for a group event: the copy on the first shard
+    /// it was stored in.
     pub cursor: Cursor,
     pub duplicate: bool,
-    /// For a broadcast or a group event stored on every shard, by this request or (a
-    /// duplicate) by an earlier one with its key: each copy, in shard order (what the fleet
+    /// For a broadcast or a group event stored on every shard it was given (every shard, or
+    /// its members' ones), by this request or (a duplicate) by an earlier one with its key:
+    /// each copy, in shard order (what the fleet
     /// API's not-acknowledged query compares acks with), so an event completed by a retry is
     /// known like any other. Empty for a unicast, and when some copy's id is not known.
     pub copies: Vec<Cursor>,

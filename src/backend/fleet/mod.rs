@@ -36,8 +36,9 @@
 //!   stream began a new life, whose positions say nothing about the old one's). Atomic with
 //!   respect to concurrent acks of the same device (a Lua compare, a KV revision check, a lock).
 //!   An ack creates the record when none exists (the device never connected through a hub).
-//! - **Broadcast copies.** The hub records, for every broadcast it appends, the cursor of its
-//!   copy on every shard, keyed by the id it answered (the copy on shard 0), for
+//! - **Broadcast copies.** The hub records, for every broadcast or group event it appends, the
+//!   cursor of each copy (every shard's, or a group event's members' shards'), keyed by the id
+//!   it answered (the first copy), for
 //!   `broadcast_retention` (the memory store also keeps at most as many as its log keeps
 //!   entries per shard).
 //! - **Group index.** Sessions written online or refreshed mark their groups in their device's
@@ -268,7 +269,8 @@ pub trait FleetStore: Send + Sync + 'static {
         cursor: &Cursor,
         at_ms: u64,
     ) -> BoxFuture<'_, BackendResult<AckOutcome>>;
-    /// Records the copies of a broadcast or a group event (one per shard, in shard order) under
+    /// Records the copies of a broadcast or a group event (one per shard it was stored in, in
+    /// shard order) under
     /// the id the hub answered, `copies[0]`.
     fn record_broadcast(&self, copies: Vec<Cursor>) -> BoxFuture<'_, BackendResult<()>>;
     /// The copies of the broadcast answered as `id`; `None` if unknown or forgotten.
